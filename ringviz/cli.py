@@ -1,0 +1,128 @@
+"""The command line: `python -m ringviz {demo,equivalence,perplexity,bench} ...`.
+
+Each subcommand parses its flags here and calls one function of the package that returns a
+plain dict; `--json` prints that dict as the last line of output (progress goes to stderr).
+Heavy modules (torch models, benchmarks) are imported only by the subcommand that needs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _int_list(text: str) -> list[int]:
+    """Parse "16,64,256" into [16, 64, 256]."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+    if not values:
+        raise argparse.ArgumentTypeError("expected at least one integer")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _cmd_demo(args: argparse.Namespace) -> dict:
+    from ringviz.ring import demo_table
+
+    table = demo_table(window=args.window, tokens=args.tokens)
+    if not args.json:
+        print(table["text"])
+    return {k: v for k, v in table.items() if k != "text"}
+
+
+def _cmd_equivalence(args: argparse.Namespace) -> dict:
+    from ringviz.models.equivalence import run_equivalence
+
+    return run_equivalence(
+        model=args.model,
+        window=args.window,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        batch=args.batch,
+        dtype=args.dtype,
+    )
+
+
+def _cmd_perplexity(args: argparse.Namespace) -> dict:
+    from ringviz.models.perplexity import run_perplexity
+
+    return run_perplexity(model=args.model, windows=args.windows, sinks=args.sinks, tokens=args.tokens)
+
+
+def _cmd_bench(args: argparse.Namespace) -> dict:
+    from ringviz.bench import run_bench
+
+    return run_bench(quick=args.quick, device=args.device, plot_dir=args.plot_dir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser, one subparser per subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="python -m ringviz",
+        description="Ring-buffer KV cache for sliding-window attention: demos, proofs, benchmarks.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    demo = sub.add_parser("demo", help="print the ring's slots step by step (NumPy RingKV)")
+    demo.add_argument("--window", type=_positive_int, default=4, help="ring capacity W")
+    demo.add_argument("--tokens", type=_positive_int, default=10, help="tokens to push")
+    demo.set_defaults(func=_cmd_demo)
+
+    eq = sub.add_parser(
+        "equivalence",
+        help="ring-cache decode vs an independent reference on a real model (logit diffs)",
+    )
+    eq.add_argument("--model", choices=["smollm2", "gemma3"], required=True)
+    eq.add_argument("--window", type=_positive_int, default=None,
+                    help="sliding window W (default: the model's own, 512 for gemma3)")
+    eq.add_argument("--prompt-tokens", type=_positive_int, default=64, help="prefill length P")
+    eq.add_argument("--new-tokens", type=_positive_int, default=32,
+                    help="teacher-forced decode steps N")
+    eq.add_argument("--batch", type=_positive_int, default=1,
+                    help="rows; B > 1 gives rows different prompt lengths (ragged batch)")
+    eq.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    eq.set_defaults(func=_cmd_equivalence)
+
+    ppl = sub.add_parser("perplexity", help="perplexity of full attention vs windows and sinks")
+    ppl.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
+    ppl.add_argument("--windows", type=_int_list, default=[16, 64, 256], help="e.g. 16,64,256")
+    ppl.add_argument("--sinks", type=_int_list, default=[0, 4], help="e.g. 0,4")
+    ppl.add_argument("--tokens", type=_positive_int, default=1000, help="tokens of evaluation text")
+    ppl.set_defaults(func=_cmd_perplexity)
+
+    bench = sub.add_parser("bench", help="time the ring against copying windows and HF layers")
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions (< 2 min on 2 CPUs)")
+    bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    bench.add_argument("--plot-dir", default=None, help="also write the plots (PNG) here")
+    bench.set_defaults(func=_cmd_bench)
+
+    for p in (demo, eq, ppl, bench):
+        p.add_argument("--json", action="store_true",
+                       help="print one JSON object as the last line of output")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.func(args)
+    except (ValueError, TypeError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, default=str))
+    elif args.command != "demo":
+        for key, value in result.items():
+            print(f"{key}: {value}")
+    return 0
