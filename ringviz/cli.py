@@ -18,7 +18,8 @@ def _int_list(text: str) -> list[int]:
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from err
+        msg = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from err
     if not values:
         raise argparse.ArgumentTypeError("expected at least one integer")
     return values
@@ -32,12 +33,22 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> dict:
-    from ringviz.ring import demo_table
+    import numpy as np
 
-    table = demo_table(window=args.window, tokens=args.tokens)
-    if not args.json:
-        print(table["text"])
-    return {k: v for k, v in table.items() if k != "text"}
+    from ringviz.ring import RingKV
+
+    ring = RingKV(window=args.window, head_dim=1)
+    steps = []
+    for pos in range(args.tokens):
+        evicted = ring.push(np.zeros(1), np.zeros(1), pos)
+        steps.append({"pos": pos, "slot": ring.last_slot, "evicted": evicted,
+                      "start": ring.start, "slots": ring.positions.tolist()})
+        if not args.json:
+            slots = " ".join("  ." if p < 0 else f"{p:3d}" for p in ring.positions)
+            gone = f"evicts {evicted}" if evicted >= 0 else "slot was empty"
+            print(f"token {pos:3d} -> slot {ring.last_slot:2d} ({gone:>14}); "
+                  f"start={ring.start:2d} | {slots}")
+    return {"window": args.window, "tokens": args.tokens, "nbytes": ring.nbytes, "steps": steps}
 
 
 def _cmd_equivalence(args: argparse.Namespace) -> dict:
@@ -56,7 +67,8 @@ def _cmd_equivalence(args: argparse.Namespace) -> dict:
 def _cmd_perplexity(args: argparse.Namespace) -> dict:
     from ringviz.models.perplexity import run_perplexity
 
-    return run_perplexity(model=args.model, windows=args.windows, sinks=args.sinks, tokens=args.tokens)
+    return run_perplexity(model=args.model, windows=args.windows, sinks=args.sinks,
+                          tokens=args.tokens)
 
 
 def _cmd_bench(args: argparse.Namespace) -> dict:

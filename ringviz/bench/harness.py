@@ -1,0 +1,153 @@
+"""Timing harness: warm-up, interleaved repetitions, median and spread, machine facts.
+
+Every implementation in a comparison is timed in the same repetition blocks, round-robin and in
+a rotated order (block r starts with impl r mod n), so a burst of machine noise lands on all of
+them rather than on whichever ran last. One sample times ``inner`` back-to-back calls (chosen in
+warm-up so a sample lasts about ``min_sample_s``); the row reports the median per-call time over
+the samples and the 10th/90th percentiles as spread. On CUDA the clock is a pair of CUDA events
+around the block, read after a synchronize; on the CPU it is ``time.perf_counter_ns``. The
+garbage collector is off inside a timed block, as in ``timeit``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import gc
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    """One implementation under test: ``step()`` performs one measured call (e.g. one decode)."""
+
+    impl: str
+    step: Callable[[], object]
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call time statistics of one case, in microseconds."""
+
+    median_us: float
+    p10_us: float
+    p90_us: float
+    min_us: float
+    reps: int  # samples (repetition blocks)
+    inner: int  # calls per sample
+
+    def as_row(self) -> dict:
+        return {"median_us": self.median_us, "p10_us": self.p10_us, "p90_us": self.p90_us,
+                "min_us": self.min_us, "reps": self.reps, "inner": self.inner}
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued GPU work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_block(step: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Seconds taken by ``calls`` back-to-back calls of ``step`` (GC off, device synchronised)."""
+    gc_was_on = gc.isenabled()
+    gc.disable()
+    try:
+        synchronize(device)
+        if device.type == "cuda":
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(calls):
+                step()
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end) / 1e3
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            step()
+        return (time.perf_counter_ns() - t0) / 1e9
+    finally:
+        if gc_was_on:
+            gc.enable()
+
+
+def _calls_per_sample(step: Callable[[], object], warmup: int, min_sample_s: float,
+                      device: torch.device, max_inner: int = 10_000) -> int:
+    """Run the warm-up calls and pick how many calls make one sample of ~``min_sample_s``."""
+    warm = [time_block(step, 1, device) for _ in range(max(1, warmup))]
+    one_call = max(min(warm), 1e-9)
+    return int(min(max_inner, max(1, math.ceil(min_sample_s / one_call))))
+
+
+def summarize(per_call_s: Sequence[float], inner: int) -> Timing:
+    """Median, p10, p90 and min of per-call times (seconds in, microseconds out)."""
+    us = np.asarray(per_call_s, dtype=np.float64) * 1e6
+    p10, median, p90 = np.percentile(us, [10, 50, 90])
+    return Timing(median_us=float(median), p10_us=float(p10), p90_us=float(p90),
+                  min_us=float(us.min()), reps=len(us), inner=inner)
+
+
+def measure_interleaved(cases: Sequence[Case], *, reps: int, warmup: int, min_sample_s: float,
+                        device: torch.device) -> dict[str, Timing]:
+    """Time every case in the same rotated round-robin blocks; ``{impl: Timing}``."""
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    if len({c.impl for c in cases}) != len(cases):
+        raise ValueError(f"duplicate impl names in {[c.impl for c in cases]}")
+    inner = {c.impl: _calls_per_sample(c.step, warmup, min_sample_s, device) for c in cases}
+    samples: dict[str, list[float]] = {c.impl: [] for c in cases}
+    n = len(cases)
+    for r in range(reps):
+        for i in range(n):
+            case = cases[(r + i) % n]
+            calls = inner[case.impl]
+            samples[case.impl].append(time_block(case.step, calls, device) / calls)
+    return {impl: summarize(s, inner[impl]) for impl, s in samples.items()}
+
+
+def _cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else platform's best guess."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: torch.device) -> dict:
+    """Facts a reader needs to weigh the numbers: date, CPU, cores, threads, versions, GPU."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_usable": usable,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+    }
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        info["transformers"] = None
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    cuda=torch.version.cuda)
+    return info

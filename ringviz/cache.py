@@ -1,0 +1,250 @@
+"""The batched ring KV cache (torch): fixed storage, one slot write per token, exact attention.
+
+Storage ``k``/``v`` of shape ``(B, n_kv_heads, window, head_dim)`` is allocated once and only
+ever written in place (``scatter_``), so its address never changes (CUDA-graph friendly) and its
+size never grows. Beside it, ``positions`` ``(B, window)`` records the absolute position held by
+each slot (-1 = empty); masks are computed from it, never from slot order.
+
+One call, :meth:`RingKVCache.step`, takes a chunk of ``T`` new tokens per row (``T = 1`` is
+decode) and returns their attention output:
+
+* ``T == 1``: write the token into slot ``pos % window``, then attend over the raw ring
+  (``window`` keys, in slot order, masked by stored positions). No copy, no reordering.
+* ``T > 1`` (prefill, chunks, also ``T > window``): attend over ``[ring | chunk]`` first,
+  then write. A chunk longer than the window would otherwise overwrite keys its own early
+  queries still need (the executorch #20346 failure).
+
+Padding (position -1, left or right) never takes a slot; a query with nothing visible gets
+zeros, never NaN.
+
+>>> import torch
+>>> cache = RingKVCache(batch_size=1, num_kv_heads=1, window=4, head_dim=2)
+>>> x = torch.zeros(1, 1, 6, 2)
+>>> _ = cache.step(x, x, x, torch.arange(6)[None])    # a 6-token prompt into a 4-slot ring
+>>> cache.positions                                     # slot s holds pos with pos % 4 == s
+tensor([[4, 5, 2, 3]])
+>>> cache.start, cache.kv_seqlens
+(tensor([2]), tensor([4]))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ringviz.masks import band_mask
+
+
+class RingKVCache:
+    """A batch of rings, one per row, holding each row's last ``window`` keys and values."""
+
+    def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
+                            ("window", window), ("head_dim", head_dim)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.batch_size, self.num_kv_heads = batch_size, num_kv_heads
+        self.window, self.head_dim = window, head_dim
+        shape = (batch_size, num_kv_heads, window, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (B, n_kv_heads, window, head_dim)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (B, n_kv_heads, window, head_dim)
+        self.positions = torch.full((batch_size, window), -1, dtype=torch.int64,
+                                    device=self.k.device)  # (B, window), -1 = empty
+        # newest position per row: kept beside the ring so a decode step never scans all W slots
+        self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.k.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.k.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of k, v and positions: fixed at construction."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.positions))
+
+    @property
+    def kv_seqlens(self) -> torch.Tensor:
+        """``(B,)`` number of cached entries visible to each row's newest position."""
+        return self._visible_now().sum(dim=-1)
+
+    @property
+    def start(self) -> torch.Tensor:
+        """``(B,)`` slot of each row's oldest visible entry (0 for an empty row)."""
+        big = torch.iinfo(torch.int64).max
+        oldest = torch.where(self._visible_now(), self.positions, big).argmin(dim=-1)
+        return torch.where(self._visible_now().any(dim=-1), oldest, 0)
+
+    def _visible_now(self) -> torch.Tensor:
+        return band_mask(self._last_pos[:, None], self.positions, self.window)[:, 0]
+
+    def reset(self) -> None:
+        """Empty every row (storage stays where it is)."""
+        self.k.zero_()
+        self.v.zero_()
+        self.positions.fill_(-1)
+        self._last_pos.fill_(-1)
+
+    # ------------------------------------------------------------------ validation
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Raise on any malformed input, before anything is written."""
+        for name, t in (("k", k), ("v", v), ("positions", positions)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}, the cache on {self.device}")
+        for name, t in (("k", k), ("v", v)):
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}, the cache holds {self.dtype}")
+            if t.ndim != 4 or t.shape[0] != self.batch_size or t.shape[1] != self.num_kv_heads \
+                    or t.shape[3] != self.head_dim or t.shape[2] == 0:
+                raise ValueError(
+                    f"{name} must be (B={self.batch_size}, n_kv_heads={self.num_kv_heads}, T>=1, "
+                    f"head_dim={self.head_dim}), got {tuple(t.shape)}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+        self._check_positions(positions, k.shape[2])
+
+    def _check_positions(self, positions: torch.Tensor, T: int) -> None:
+        if positions.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"positions must be int64 or int32, got {positions.dtype}")
+        if positions.shape != (self.batch_size, T):
+            raise ValueError(
+                f"positions must be (B, T) = {(self.batch_size, T)}, got {tuple(positions.shape)}")
+        if bool((positions < -1).any()):
+            raise ValueError("positions must be >= 0, or -1 for padding; got other negatives")
+        valid = positions >= 0
+        running = torch.cummax(torch.where(valid, positions, -1), dim=1).values
+        before = torch.cat([self._last_pos[:, None], running[:, :-1]], dim=1)
+        before = torch.maximum(before, self._last_pos[:, None])  # (B, T) newest earlier position
+        bad = valid & (positions <= before)
+        if bool(bad.any()):
+            b, t = (int(i) for i in bad.nonzero()[0])
+            pos = int(positions[b, t])
+            if pos <= int(self._last_pos[b]):
+                raise ValueError(f"row {b}: position {pos} is not after the row's cached "
+                                 f"positions (newest {int(self._last_pos[b])})")
+            raise ValueError(f"row {b}: positions must strictly increase, got {pos} after "
+                             f"{int(before[b, t])}")
+
+    def _check_q(self, q: torch.Tensor, T: int) -> None:
+        """``q`` must be (B, Hq, T, head_dim) on the cache's device and dtype, Hq % Hkv == 0."""
+        if not isinstance(q, torch.Tensor):
+            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        if q.device != self.device:
+            raise ValueError(f"q is on {q.device}, the cache on {self.device}")
+        if q.dtype != self.dtype:
+            raise TypeError(f"q has dtype {q.dtype}, the cache holds {self.dtype}")
+        if q.ndim != 4 or q.shape[0] != self.batch_size or q.shape[2] != T \
+                or q.shape[3] != self.head_dim:
+            raise ValueError(f"q must be (B={self.batch_size}, Hq, T={T}, "
+                             f"head_dim={self.head_dim}), got {tuple(q.shape)}")
+        if q.shape[1] % self.num_kv_heads:
+            raise ValueError(f"Hq={q.shape[1]} query heads is not a multiple of "
+                             f"n_kv_heads={self.num_kv_heads}")
+
+    # ------------------------------------------------------------------ the ring
+    def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
+              check: bool = True) -> None:
+        """Write ``T`` tokens per row into slots ``pos % window``; keep each row's last W.
+
+        Tokens of a chunk that would be overwritten by a later token of the same chunk, and
+        padding (-1), are not stored. ``check=False`` skips validation (and its host sync),
+        for CUDA-graph capture of a trusted decode loop.
+        """
+        if check:
+            self._check_kv(k, v, positions)
+        positions = positions.to(torch.int64)
+        B, H, T, D = k.shape
+        W = self.window
+        newest = torch.maximum(self._last_pos, positions.max(dim=1).values)  # (B,)
+        keep = (positions >= 0) & (positions > newest[:, None] - W)  # (B, T) survives the chunk
+        slot = positions.clamp(min=0) % W  # (B, T); padding maps to slot 0 but keeps old value
+        if T == 1:
+            winner = torch.where(keep, 0, -1)  # (B, 1)
+        else:
+            winner = self._slot_winners(slot, keep)  # (B, T)
+        # every token scatters its slot's *final* value, so duplicate slot indices agree
+        has_new = winner >= 0
+        idx = slot[:, None, :, None].expand(B, H, T, D)
+        src = winner.clamp(min=0)[:, None, :, None].expand(B, H, T, D)
+        take = has_new[:, None, :, None]
+        self.k.scatter_(2, idx, torch.where(take, k.gather(2, src), self.k.gather(2, idx)))
+        self.v.scatter_(2, idx, torch.where(take, v.gather(2, src), self.v.gather(2, idx)))
+        new_pos = torch.where(has_new, positions.gather(1, winner.clamp(min=0)),
+                              self.positions.gather(1, slot))
+        self.positions.scatter_(1, slot, new_pos)
+        self._last_pos.copy_(newest)
+
+    def _slot_winners(self, slot: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``(B, T)``: index in the chunk of the token that ends up in each token's slot, or -1.
+
+        Kept tokens of a row span fewer than W positions, so they have distinct slots; dropped
+        tokens are routed to a spare column W that is thrown away.
+
+        >>> cache = RingKVCache(1, 1, window=3, head_dim=2)
+        >>> pos = torch.tensor([[0, 1, 2, 3, 4]])           # 5 tokens, 3 slots: 2, 3, 4 survive
+        >>> cache._slot_winners(pos % 3, pos > 4 - 3)        # pos 0 -> slot 0 -> token 3 (pos 3)
+        tensor([[3, 4, 2, 3, 4]])
+        """
+        B, T = slot.shape
+        target = torch.where(keep, slot, self.window)
+        owner = torch.full((B, self.window + 1), -1, dtype=torch.int64, device=slot.device)
+        owner.scatter_(1, target, torch.arange(T, device=slot.device).expand(B, T))
+        return owner[:, : self.window].gather(1, slot)
+
+    def attend(self, q: torch.Tensor, q_positions: torch.Tensor, *,
+               scale: float | None = None) -> torch.Tensor:
+        """Attention of ``q`` (B, Hq, T, D) over the ring as it is now, masked by positions."""
+        if not isinstance(q_positions, torch.Tensor):
+            raise TypeError(f"q_positions must be a torch.Tensor, got {type(q_positions).__name__}")
+        self._check_q(q, q.shape[2] if q.ndim == 4 else -1)
+        if q_positions.shape != (self.batch_size, q.shape[2]) or q_positions.is_floating_point():
+            raise ValueError(f"q_positions must be integer (B, T) = {(self.batch_size, q.shape[2])}"
+                             f", got {q_positions.dtype} {tuple(q_positions.shape)}")
+        mask = band_mask(q_positions.to(torch.int64), self.positions, self.window)  # (B, T, W)
+        return masked_attention(q, self.k, self.v, mask, scale=scale)
+
+    def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+             *, scale: float | None = None, check: bool = True) -> torch.Tensor:
+        """Attend ``T`` new tokens per row to their windows and store them: ``(B, Hq, T, D)``."""
+        if check:
+            self._check_kv(k, v, positions)
+            self._check_q(q, k.shape[2])
+        positions = positions.to(torch.int64)
+        if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
+            self.write(k, v, positions, check=False)
+            mask = band_mask(positions, self.positions, self.window)  # (B, 1, W)
+            return masked_attention(q, self.k, self.v, mask, scale=scale)
+        keys = torch.cat([self.k, k], dim=2)  # (B, n_kv_heads, W + T, head_dim)
+        values = torch.cat([self.v, v], dim=2)
+        mask = band_mask(positions, torch.cat([self.positions, positions], dim=1), self.window)
+        out = masked_attention(q, keys, values, mask, scale=scale)
+        self.write(k, v, positions, check=False)
+        return out
+
+    def __repr__(self) -> str:
+        return (f"RingKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
+                f"window={self.window}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"device={self.device})")
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
+                     scale: float | None = None) -> torch.Tensor:
+    """SDPA with a boolean ``(B, Tq, Tk)`` mask shared by all heads; GQA by head grouping.
+
+    Rows with nothing visible come out as zeros (SDPA alone would give NaN for them).
+    """
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask[:, None], scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1])  # (B, Hq, Tq, head_dim)
+    return out.masked_fill(~mask.any(dim=-1)[:, None, :, None], 0.0)

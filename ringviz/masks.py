@@ -1,0 +1,58 @@
+"""Sliding-window visibility, computed from absolute positions (never from slot order).
+
+A query at absolute position ``p`` sees the keys at positions ``p-W+1 .. p``: itself and the
+``W-1`` before it (the Mistral / Hugging Face convention). Position ``-1`` marks an empty slot or a
+padding token and is never visible, nor does a ``-1`` query see anything.
+
+Both functions work on NumPy arrays and torch tensors alike and broadcast over leading dims.
+
+>>> import numpy as np
+>>> decode_mask(5, np.array([4, 5, 2, 3]), window=3)
+array([ True,  True, False,  True])
+>>> band_mask(np.array([2, 3]), np.array([0, 1, 2, 3]), window=2).astype(int)
+array([[0, 1, 1, 0],
+       [0, 0, 1, 1]])
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+Array = TypeVar("Array", np.ndarray, torch.Tensor)
+
+
+def _check_window(window: int) -> None:
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
+        raise TypeError(f"window must be an int, got {type(window).__name__}")
+    if window <= 0:
+        raise ValueError(f"window must be positive, got {window}")
+
+
+def visible(q_pos: Array, k_pos: Array, window: int) -> Array:
+    """Elementwise rule: key at ``k_pos`` is visible to a query at ``q_pos``."""
+    _check_window(window)
+    return (k_pos >= 0) & (q_pos >= 0) & (k_pos <= q_pos) & (k_pos > q_pos - window)
+
+
+def decode_mask(current_pos: int | Array, cache_positions: Array, window: int) -> Array:
+    """Which cache slots one decoding query at ``current_pos`` may attend to.
+
+    ``cache_positions`` holds the absolute position stored in each slot (``-1`` = empty), in slot
+    order; the result has its shape. Stale slots (older than the window), future positions and
+    empty slots come out False. A ``current_pos`` of shape ``(B,)`` pairs with ``(B, W)`` positions.
+    """
+    if isinstance(cache_positions, torch.Tensor):
+        q = torch.as_tensor(current_pos, device=cache_positions.device)
+    else:
+        q = np.asarray(current_pos)
+    if q.ndim == 1 and cache_positions.ndim == 2:
+        q = q[:, None]
+    return visible(q, cache_positions, window)
+
+
+def band_mask(q_positions: Array, k_positions: Array, window: int) -> Array:
+    """Visibility of every key to every query: bool ``(..., Tq, Tk)``, True = attend."""
+    return visible(q_positions[..., :, None], k_positions[..., None, :], window)
