@@ -1,0 +1,60 @@
+"""Pictures and steppers for ringviz: they draw traces, never compute ring state themselves.
+
+Usage in a chapter::
+
+    import ringviz.viz as viz
+    viz.set_style()                                   # once, first cell
+    stepper = viz.RingStepper.from_scenario(window=8, prompt=13, chunk=None, decode_steps=4)
+    stepper.show()                                    # widget + static strip of the same frames
+    viz.RingStepper.from_scenario(window=4, prompt=7, chunk=3, batch_lengths=(7, 2, 5)).show()
+    viz.interactive_stepper(window=8, prompt=12)      # live: sliders rebuild the trace
+
+    t = ringviz.trace.trace_scenario(ringviz.trace.Scenario(window=8, prompt=13))
+    viz.draw_ring_row(t, frame=1); viz.draw_ring_circle(t, frame=1); viz.draw_batch(t)
+    viz.draw_ring_and_shift(trace_ring(4, 6), trace_shift(4, 6))
+    viz.draw_decode_mask(query_pos=9, positions=[8, 9, 2, 3], window=4)
+    viz.draw_band_mask(range(4, 8), range(0, 8), window=4)
+    viz.draw_rope_angles(t, frame=-1)
+    viz.plot_memory([{"cache": "ring", "tokens": 64, "bytes": 4096}, ...])
+    viz.plot_latency([{"method": "ring", "window": 512, "ms_per_token": 0.2}, ...])
+
+All drawing functions take ``ax=None`` and return the axes (``draw_frames`` and
+``draw_ring_and_shift`` return a figure). In the rendered book the stepper runs from its
+embedded state with JavaScript served by the book itself (see ``web/``).
+"""
+
+from ringviz.viz.draw import (
+    draw_batch,
+    draw_frames,
+    draw_ring_and_shift,
+    draw_ring_circle,
+    draw_ring_row,
+)
+from ringviz.viz.plots import (
+    draw_band_mask,
+    draw_decode_mask,
+    draw_rope_angles,
+    plot_latency,
+    plot_memory,
+)
+from ringviz.viz.stepper import Controls, RingStepper, interactive_stepper
+from ringviz.viz.style import OKABE_ITO, STATE_COLORS, set_style
+
+__all__ = [
+    "OKABE_ITO",
+    "STATE_COLORS",
+    "Controls",
+    "RingStepper",
+    "draw_band_mask",
+    "draw_batch",
+    "draw_decode_mask",
+    "draw_frames",
+    "draw_ring_and_shift",
+    "draw_ring_circle",
+    "draw_ring_row",
+    "draw_rope_angles",
+    "interactive_stepper",
+    "plot_latency",
+    "plot_memory",
+    "set_style",
+]

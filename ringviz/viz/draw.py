@@ -1,0 +1,216 @@
+"""Pictures of cache states: the ring as a row of slots and as a circle, the shift window, a batch.
+
+Every function draws one frame of a :class:`ringviz.trace.Trace` (it never computes ring state),
+takes ``ax=None`` and returns the axes it drew on. Slot fill says what the slot is for the row's
+newest query (``frame.slot_state``); an orange edge marks slots written in this step; the green
+and orange triangles are the start and write pointers; vermillion text names evicted tokens.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, Patch, Rectangle, Wedge
+
+from ringviz.trace import Frame, Trace
+from ringviz.viz.style import (
+    BOOK_WIDTH,
+    EDGE_COLOR,
+    EVICT_COLOR,
+    START_COLOR,
+    STATE_COLORS,
+    WRITE_COLOR,
+)
+
+
+def _frame(trace: Trace, frame: int) -> Frame:
+    if not isinstance(trace, Trace):
+        raise TypeError(f"trace must be a ringviz.trace.Trace, got {type(trace).__name__}")
+    if not -len(trace.frames) <= frame < len(trace.frames):
+        raise ValueError(f"frame {frame} out of range for a trace of {len(trace.frames)} frames")
+    return trace.frames[frame]
+
+
+def _row(trace: Trace, row: int) -> int:
+    if not 0 <= row < trace.rows:
+        raise ValueError(f"row {row} out of range for a trace of {trace.rows} rows")
+    return row
+
+
+def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
+    return plt.subplots(figsize=size)[1] if ax is None else ax
+
+
+def _states(f: Frame, row: int) -> list[str]:
+    """Slot colours: the frame's view for a ring; a shift window has no query view (all held)."""
+    if f.slot_state:
+        return f.slot_state[row]
+    return ["empty" if p < 0 else "visible" for p in f.positions[row]]
+
+
+def _write_slot(f: Frame, row: int) -> int | None:
+    """Slot of the row's newest token (where the write pointer stands), None when empty."""
+    pos = f.positions[row]
+    return int(np.argmax(pos)) if max(pos) >= 0 else None
+
+
+ROW_PITCH = 1.45  # vertical distance between stacked rows (box 0.8, labels and pointers)
+
+
+def _slots(ax: Axes, f: Frame, row: int, y: float, pointers: bool, index: bool) -> None:
+    """Draw one row of slots at height ``y`` (slot s spans x in [s, s+1])."""
+    written = set(f.written[row])
+    for s, (pos, state) in enumerate(zip(f.positions[row], _states(f, row), strict=True)):
+        edge, lw = (WRITE_COLOR, 3.0) if s in written else (EDGE_COLOR, 1.0)
+        ax.add_patch(Rectangle((s + 0.04, y), 0.92, 0.8, facecolor=STATE_COLORS[state],
+                               edgecolor=edge, linewidth=lw, hatch="//" if pos < 0 else None))
+        ax.text(s + 0.5, y + 0.4, "" if pos < 0 else str(pos), ha="center", va="center",
+                fontsize=10, fontweight="bold" if s in written else "normal")
+        if index:
+            ax.text(s + 0.5, y + 0.88, f"slot {s}" if s == 0 else str(s), ha="center",
+                    va="bottom", fontsize=7, color=EDGE_COLOR)
+    if f.evicted[row]:
+        ax.text(len(f.positions[row]) + 0.15, y + 0.4, "evicted " + ", ".join(
+            map(str, f.evicted[row])), color=EVICT_COLOR, va="center", fontsize=9)
+    write = _write_slot(f, row)
+    if pointers and write is not None:
+        ax.plot(write + 0.68, y - 0.2, marker="^", color=WRITE_COLOR, markersize=8)
+        ax.plot(f.start[row] + 0.32, y - 0.2, marker="^", color=START_COLOR, markersize=8)
+
+
+def _legend(ax: Axes, states: tuple[str, ...], pointers: bool) -> None:
+    handles = [Patch(facecolor=STATE_COLORS[s], edgecolor=EDGE_COLOR, label=s,
+                     hatch="//" if s == "empty" else None) for s in states]
+    handles.append(Patch(facecolor="white", edgecolor=WRITE_COLOR, linewidth=3, label="written"))
+    if pointers:
+        handles += [plt.Line2D([], [], color=c, marker="^", linestyle="", label=name)
+                    for c, name in ((WRITE_COLOR, "write pointer"), (START_COLOR, "start"))]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02),
+              ncol=len(handles), fontsize=8, handlelength=1.2, columnspacing=1.0)
+
+
+def _finish_rows(ax: Axes, window: int, n_rows: int, top: float = 1.15) -> None:
+    """Frame ``n_rows`` stacked rows (row 0 on top) with room for labels and pointers."""
+    ax.set_xlim(-0.9, window + 2.8)
+    ax.set_ylim(-0.45, (n_rows - 1) * ROW_PITCH + top)
+    ax.axis("off")
+
+
+def draw_ring_row(trace: Trace, frame: int = -1, *, row: int = 0,
+                  ax: Axes | None = None) -> Axes:
+    """One ring as a row of slots, with pointers, evictions and the wrap-around arrow."""
+    f, row = _frame(trace, frame), _row(trace, row)
+    ax = _axes(ax, (BOOK_WIDTH, 1.9))
+    _slots(ax, f, row, 0.0, pointers=trace.layout == "ring", index=True)
+    if trace.layout == "ring":
+        ax.add_patch(FancyArrowPatch((trace.window - 0.5, 1.12), (0.5, 1.12),
+                                     connectionstyle="arc3,rad=0.12", arrowstyle="-|>",
+                                     mutation_scale=12, color=EDGE_COLOR, linewidth=1))
+        ax.text(trace.window / 2, 1.32, f"after slot {trace.window - 1} the next write wraps "
+                "to slot 0", ha="center", va="bottom", fontsize=8, color=EDGE_COLOR)
+    _finish_rows(ax, trace.window, 1, top=1.65 if trace.layout == "ring" else 1.15)
+    ax.set_title(_wrap(f.caption), loc="left", fontsize=9)
+    _legend(ax, ("visible", "empty"), pointers=trace.layout == "ring")
+    return ax
+
+
+def draw_ring_circle(trace: Trace, frame: int = -1, *, row: int = 0,
+                     ax: Axes | None = None) -> Axes:
+    """One ring as a circle: slot 0 at the top, slots clockwise, arrows to start and write."""
+    f, row = _frame(trace, frame), _row(trace, row)
+    if trace.layout != "ring":
+        raise ValueError("draw_ring_circle draws ring traces; a shift window is a row")
+    ax = _axes(ax, (3.6, 3.6))
+    W, written = trace.window, set(f.written[row])
+    step = 360.0 / W
+    for s, (pos, state) in enumerate(zip(f.positions[row], _states(f, row), strict=True)):
+        theta1 = 90 - (s + 1) * step  # clockwise from 12 o'clock
+        edge, lw = (WRITE_COLOR, 3.0) if s in written else (EDGE_COLOR, 1.0)
+        ax.add_patch(Wedge((0, 0), 1.0, theta1, theta1 + step, width=0.38,
+                           facecolor=STATE_COLORS[state], edgecolor=edge, linewidth=lw,
+                           hatch="//" if pos < 0 else None))
+        mid = np.deg2rad(theta1 + step / 2)
+        ax.text(0.81 * np.cos(mid), 0.81 * np.sin(mid), "" if pos < 0 else str(pos),
+                ha="center", va="center", fontsize=10)
+        ax.text(1.13 * np.cos(mid), 1.13 * np.sin(mid), str(s), ha="center", va="center",
+                fontsize=7, color=EDGE_COLOR)
+    write = _write_slot(f, row)
+    if write is not None:
+        for slot, color, r in ((write, WRITE_COLOR, 0.58), (f.start[row], START_COLOR, 0.45)):
+            mid = np.deg2rad(90 - (slot + 0.5) * step)
+            ax.annotate("", (r * np.cos(mid), r * np.sin(mid)), (0, 0),
+                        arrowprops={"arrowstyle": "-|>", "color": color, "lw": 2})
+    if f.evicted[row]:
+        ax.text(0, -1.3, "evicted " + ", ".join(map(str, f.evicted[row])), ha="center",
+                color=EVICT_COLOR, fontsize=9)
+    ax.set_xlim(-1.35, 1.35)
+    ax.set_ylim(-1.45, 1.3)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"ring, W={W}: slot = pos % {W}", fontsize=10)
+    return ax
+
+
+def draw_batch(trace: Trace, frame: int = -1, *, ax: Axes | None = None) -> Axes:
+    """Every batch row's ring, one above the other (row 0 on top), with its visible count."""
+    f = _frame(trace, frame)
+    ax = _axes(ax, (BOOK_WIDTH, 1.0 + 0.75 * trace.rows))
+    for row in range(trace.rows):
+        y = (trace.rows - 1 - row) * ROW_PITCH
+        _slots(ax, f, row, y, pointers=trace.layout == "ring", index=row == 0)
+        seen = sum(s == "visible" for s in _states(f, row))
+        ax.text(-0.2, y + 0.4, f"row {row}\n{seen} visible", ha="right", va="center", fontsize=8)
+    _finish_rows(ax, trace.window, trace.rows)
+    ax.set_title(_wrap(f.caption, 110), loc="left", fontsize=8)
+    _legend(ax, ("visible", "empty"), pointers=trace.layout == "ring")
+    return ax
+
+
+def draw_ring_and_shift(ring: Trace, shift: Trace, frame: int = -1) -> Figure:
+    """The ring and the copying window after the same tokens, one above the other."""
+    if ring.layout != "ring" or shift.layout != "shift":
+        raise ValueError("pass a ring trace first and a shift trace second")
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(BOOK_WIDTH, 3.8))
+    draw_ring_row(ring, frame, ax=top)
+    draw_ring_row(shift, frame, ax=bottom)
+    moved = shift.frames[frame].moved[0]
+    bottom.text(-0.8, -0.42, f"above: the ring, {ring.frames[frame].moved[0]} entries moved; "
+                f"below: the shift window (oldest first), {moved} entries copied this step",
+                fontsize=9, va="top")
+    fig.tight_layout()
+    return fig
+
+
+def draw_frames(trace: Trace, frames: list[int] | None = None, *,
+                max_frames: int = 10) -> Figure:
+    """A static strip of frames (all rows of each), for readers of the printed or static page."""
+    index = list(range(len(trace.frames))) if frames is None else [int(i) for i in frames]
+    if len(index) > max_frames:
+        keep = np.linspace(0, len(index) - 1, max_frames).round().astype(int)
+        index = [index[i] for i in keep]
+    for i in index:
+        _frame(trace, i)
+    height = 0.6 + 0.55 * trace.rows
+    fig, axes = plt.subplots(len(index), 1, figsize=(BOOK_WIDTH, height * len(index)),
+                             squeeze=False)
+    for ax, i in zip(axes[:, 0], index, strict=True):
+        f = trace.frames[i]
+        for row in range(trace.rows):
+            _slots(ax, f, row, (trace.rows - 1 - row) * ROW_PITCH,
+                   pointers=trace.layout == "ring", index=row == 0)
+            if trace.rows > 1:
+                ax.text(-0.2, (trace.rows - 1 - row) * ROW_PITCH + 0.4, f"row {row}",
+                        ha="right", va="center", fontsize=8)
+        _finish_rows(ax, trace.window, trace.rows)
+        ax.set_title(_wrap(f"step {i}: {f.caption}", 120), loc="left", fontsize=8)
+    _legend(axes[-1, 0], ("visible", "empty"), pointers=trace.layout == "ring")
+    fig.tight_layout()
+    return fig
+
+
+def _wrap(text: str, width: int = 90) -> str:
+    return "\n".join(textwrap.wrap(text, width))
