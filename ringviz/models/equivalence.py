@@ -1,0 +1,114 @@
+"""Ring decode vs an independent reference on a real model: logits at every position.
+
+``python -m ringviz equivalence --model smollm2 --window 32 --prompt-tokens 48 --new-tokens 64
+--dtype float64 --json`` prefills a prompt of the shipped text, decodes the rest one teacher-forced
+token at a time through ``RingKVCache`` (drive.py), and compares every logit with one full forward
+(reference.py). With ``batch > 1`` the rows start at different places in the text and have
+different prompt lengths (a ragged, left-padded batch); each row is compared with its own
+single-sequence reference.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ringviz.models.drive import RingRunner, layer_windows, ring_logits
+from ringviz.models.load import get_spec, load_model
+from ringviz.models.reference import has_native_window, reference_logits
+from ringviz.models.text import eval_tokens
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+ROW_OFFSET = 7  # row b starts 7*b tokens later in the text, so rows hold different tokens
+
+
+@contextmanager
+def native_window(model, window: int | None) -> Iterator[int | None]:
+    """For a native-window model, run HF's own sliding layers with ``window`` (then restore).
+
+    Gemma's masks read ``config.sliding_window`` at call time, so this changes HF's reference
+    and our ring together; models without a native window are left alone.
+    """
+    if not has_native_window(model):
+        yield window
+        return
+    before = model.config.sliding_window
+    model.config.sliding_window = before if window is None else window
+    try:
+        yield model.config.sliding_window
+    finally:
+        model.config.sliding_window = before
+
+
+def ragged_rows(tokens: torch.Tensor, batch: int, prompt_tokens: int,
+                new_tokens: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Row b: prompt of ``P - b*d`` tokens from offset ``7*b``, then ``new_tokens`` more.
+
+    ``d = max(1, P // (2*batch))`` so prompt lengths spread over P/2 .. P and stay >= 1.
+    """
+    d = max(1, prompt_tokens // (2 * batch))
+    lengths = [max(1, prompt_tokens - b * d) for b in range(batch)]
+    rows = [tokens[ROW_OFFSET * b: ROW_OFFSET * b + p + new_tokens] for b, p in enumerate(lengths)]
+    return rows, lengths
+
+
+def full_cache_bytes(model, batch: int, length: int) -> int:
+    """Bytes of a full (unwindowed) KV cache for ``batch`` rows of ``length`` tokens.
+
+    2 (k and v) x layers x batch x n_kv_heads x length x head_dim x bytes per element.
+    """
+    c = model.config
+    itemsize = next(model.parameters()).element_size()
+    return 2 * c.num_hidden_layers * batch * c.num_key_value_heads * length * c.head_dim * itemsize
+
+
+def compare(ring: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
+    """Max |logit diff|, argmax agreement and first differing argmax position over all rows."""
+    diff = max(float((a - b).abs().max()) for a, b in zip(ring, ref, strict=True))
+    same = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(ring, ref, strict=True)])
+    return {"compared_positions": int(same.numel()), "max_abs_logit_diff": diff,
+            "argmax_agreement": float(same.double().mean())}
+
+
+def _check_args(model: str, prompt_tokens: int, new_tokens: int, batch: int, dtype: str) -> None:
+    get_spec(model)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    for name, value in (("prompt_tokens", prompt_tokens), ("batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
+        raise ValueError(f"new_tokens must be an int >= 0, got {new_tokens!r}")
+
+
+def run_equivalence(model: str, window: int | None, prompt_tokens: int, new_tokens: int,
+                    batch: int, dtype: str) -> dict:
+    """Compare ring-cache decode with the reference; returns the JSON-ready result dict."""
+    _check_args(model, prompt_tokens, new_tokens, batch, dtype)
+    t0 = time.perf_counter()
+    lm, tokenizer = load_model(model, dtype=DTYPES[dtype])
+    layer_windows(lm, window)  # raises early for SmolLM2 without a window
+    need = ROW_OFFSET * (batch - 1) + prompt_tokens + new_tokens
+    tokens = eval_tokens(tokenizer, need)
+    rows, lengths = ragged_rows(tokens, batch, prompt_tokens, new_tokens)
+    with native_window(lm, window) as window:
+        runner = RingRunner(lm, batch, window, capacity=max(len(r) for r in rows))
+        t1 = time.perf_counter()
+        ring = ring_logits(runner, rows, lengths, progress=True)
+        t2 = time.perf_counter()
+        ref = [reference_logits(lm, r, None if has_native_window(lm) else window) for r in rows]
+        t3 = time.perf_counter()
+    return {
+        "model": model, "window": window, "dtype": dtype, "batch": batch,
+        "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "prompt_lengths": lengths,
+        "reference": ("hf_native_sliding_window_full_forward" if has_native_window(lm)
+                      else "hf_full_forward_band_mask"),
+        **compare(ring, ref),
+        "ring_cache_bytes": runner.nbytes,
+        "full_cache_bytes": full_cache_bytes(lm, batch, max(len(r) for r in rows)),
+        "seconds": {"load": round(t1 - t0, 2), "ring": round(t2 - t1, 2),
+                    "reference": round(t3 - t2, 2)},
+    }

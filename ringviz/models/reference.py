@@ -1,0 +1,66 @@
+"""References that share nothing with the ring: one Hugging Face forward over the whole sequence.
+
+* Imposed window W on a model trained without one (SmolLM2): HF's forward with an explicit 4D
+  band mask. Setting ``config.sliding_window`` is not enough: Llama trims its cache to the
+  window but its mask ignores it, so prefill and decode silently disagree (NOTES: logit errors
+  of 15-26). The mask is written out here from the window rule, not taken from ringviz.masks,
+  so a bug there cannot hide in both paths.
+* A model with its own sliding window (Gemma 3): HF's forward as it is; its masks are HF's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def band_bias(length: int, window: int | None, sinks: int = 0, *, dtype: torch.dtype,
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """Additive mask ``(1, 1, L, L)``: 0 where query i may see key j, the dtype's min elsewhere.
+
+    Visible: ``j <= i`` and (``j > i - window`` or ``j < sinks``); ``window=None`` is causal.
+    """
+    i = torch.arange(length, device=device)[:, None]  # (L, 1) query positions
+    j = torch.arange(length, device=device)[None, :]  # (1, L) key positions
+    seen = j <= i
+    if window is not None:
+        seen &= (j > i - window) | (j < sinks)
+    bias = torch.zeros(length, length, dtype=dtype, device=device)
+    return bias.masked_fill(~seen, torch.finfo(dtype).min)[None, None]
+
+
+def has_native_window(model) -> bool:
+    """True when the model's own layers use a sliding window (Gemma 3), False for Llama."""
+    return "sliding_attention" in (getattr(model.config, "layer_types", None) or [])
+
+
+@torch.no_grad()
+def reference_logits(model, ids: torch.Tensor, window: int | None, sinks: int = 0) -> torch.Tensor:
+    """Logits ``(L, vocab)`` for one unpadded sequence ``ids`` (L,), by one full forward.
+
+    Native-window models run as they are (``window`` must then be None or their own window);
+    others get the band mask for ``window`` (None = full causal attention) and ``sinks``.
+    """
+    if ids.ndim != 1:
+        raise ValueError(f"ids must be one sequence (L,), got shape {tuple(ids.shape)}")
+    positions = torch.arange(len(ids), device=ids.device)[None]
+    if has_native_window(model):
+        if sinks or window not in (None, model.config.sliding_window):
+            raise ValueError(f"{model.config.model_type} runs with its own window "
+                             f"{model.config.sliding_window} and no sinks; got window={window}, "
+                             f"sinks={sinks}")
+        return model(input_ids=ids[None], position_ids=positions, use_cache=False).logits[0]
+    bias = band_bias(len(ids), window, sinks, dtype=next(model.parameters()).dtype,
+                     device=ids.device)
+    out = model(input_ids=ids[None], attention_mask=bias, position_ids=positions, use_cache=False)
+    return out.logits[0]
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt: torch.Tensor, new_tokens: int,
+                     window: int | None) -> torch.Tensor:
+    """Greedy continuation ``(new_tokens,)`` by recomputing the whole sequence every step."""
+    ids = prompt
+    for _ in range(new_tokens):
+        nxt = reference_logits(model, ids, window)[-1].argmax()
+        ids = torch.cat([ids, nxt[None]])
+    return ids[len(prompt):]
