@@ -164,15 +164,15 @@ class RingKVCache:
         if check:
             self._check_kv(k, v, positions)
         positions = positions.to(torch.int64)
+        if k.shape[2] == 1:
+            self._write_one(k, v, positions[:, 0])
+            return
         B, H, T, D = k.shape
         W = self.window
         newest = torch.maximum(self._last_pos, positions.max(dim=1).values)  # (B,)
         keep = (positions >= 0) & (positions > newest[:, None] - W)  # (B, T) survives the chunk
         slot = positions.clamp(min=0) % W  # (B, T); padding maps to slot 0 but keeps old value
-        if T == 1:
-            winner = torch.where(keep, 0, -1)  # (B, 1)
-        else:
-            winner = self._slot_winners(slot, keep)  # (B, T)
+        winner = self._slot_winners(slot, keep)  # (B, T)
         # every token scatters its slot's *final* value, so duplicate slot indices agree
         has_new = winner >= 0
         idx = slot[:, None, :, None].expand(B, H, T, D)
@@ -184,6 +184,17 @@ class RingKVCache:
                               self.positions.gather(1, slot))
         self.positions.scatter_(1, slot, new_pos)
         self._last_pos.copy_(newest)
+
+    def _write_one(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Decode write: token ``pos`` (B,) into slot ``pos % W``. O(1) in the window size."""
+        rows = torch.arange(self.batch_size, device=self.device)
+        slot = pos.clamp(min=0) % self.window  # (B,)
+        keep = pos >= 0  # a padding row rewrites its slot's old value: no slot taken
+        for store, new in ((self.k, k), (self.v, v)):
+            store[rows, :, slot] = torch.where(keep[:, None, None], new[:, :, 0],
+                                               store[rows, :, slot])  # (B, n_kv_heads, head_dim)
+        self.positions[rows, slot] = torch.where(keep, pos, self.positions[rows, slot])
+        torch.maximum(self._last_pos, pos, out=self._last_pos)
 
     def _slot_winners(self, slot: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``(B, T)``: index in the chunk of the token that ends up in each token's slot, or -1.

@@ -1,0 +1,38 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ringviz.cli import build_parser, main
+
+
+def test_help_lists_every_subcommand():
+    out = subprocess.run([sys.executable, "-m", "ringviz", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for command in ("demo", "equivalence", "perplexity", "bench"):
+        assert command in out
+
+
+def test_demo_json_last_line(capsys):
+    assert main(["demo", "--window", "3", "--tokens", "5", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [s["slot"] for s in result["steps"]] == [0, 1, 2, 0, 1]
+    assert [s["evicted"] for s in result["steps"]] == [-1, -1, -1, 0, 1]
+    assert result["steps"][-1]["slots"] == [3, 4, 2]
+
+
+def test_demo_text(capsys):
+    main(["demo", "--window", "2", "--tokens", "3"])
+    assert "token   2 -> slot  0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["demo", "--window", "0"],
+    ["perplexity", "--windows", "16,x"],
+    ["equivalence", "--model", "gpt2", "--window", "8"],
+])
+def test_bad_arguments_exit_with_usage_error(argv):
+    with pytest.raises(SystemExit) as err:
+        build_parser().parse_args(argv)
+    assert err.value.code == 2
