@@ -116,6 +116,13 @@ function drawBand(svg, trace, f, x0, y0, cell, colors) {
       el("rect", { x: x0 + 34 + j * cell, y, width: cell - 1, height: cell - 1, fill: colors[state], class: `band-${state}` }, svg);
     });
   });
+  const used = new Set(q.flatMap((query, i) => k.map((key, j) => (f.band[0][i][j] ? "visible" : key > query ? "future" : "stale"))));
+  let lx = x0 + 40 + k.length * cell + 16;
+  for (const state of ["visible", "stale", "future"].filter((s) => used.has(s))) {
+    el("rect", { x: lx, y: top + 14, width: 12, height: 12, fill: colors[state] }, svg);
+    label(svg, lx + 16, top + 20, state, { "text-anchor": "start", "font-size": 10 });
+    lx += 30 + state.length * 6;
+  }
   return 32 + q.length * cell;
 }
 
@@ -124,7 +131,7 @@ function defs(svg, colors) {
   const p = el("pattern", { id: "ringviz-hatch", width: 6, height: 6, patternUnits: "userSpaceOnUse", patternTransform: "rotate(45)" }, d);
   el("rect", { width: 6, height: 6, fill: "#fff" }, p);
   el("line", { x1: 0, y1: 0, x2: 0, y2: 6, stroke: "#bbb", "stroke-width": 2 }, p);
-  for (const [id, color] of [["w", colors.write], ["s", colors.start]]) {
+  for (const [id, color] of [["w", colors.write], ["s", colors.start], ["e", colors.edge]]) {
     const m = el("marker", { id: `ringviz-arrow-${id}`, viewBox: "0 0 10 10", refX: 8, refY: 5, markerWidth: 4, markerHeight: 4, orient: "auto" }, d);
     el("path", { d: "M0,0 L10,5 L0,10 z", fill: color }, m);
   }
@@ -156,14 +163,14 @@ function draw(model, svg, caption, slider, counter) {
   const f = trace.frames[i];
   svg.replaceChildren();
   defs(svg, colors);
-  const cell = Math.max(22, Math.min(40, Math.floor(440 / trace.window)));
+  const cell = Math.max(22, Math.min(44, Math.floor(440 / trace.window)));
   const x0 = trace.rows > 1 ? 60 : 20;
   const ring = trace.layout === "ring";
-  let y = ring ? 34 : 12;
+  let y = ring ? 40 : 12;
   if (ring) {
     const x1 = x0 + (trace.window - 0.5) * cell, xa = x0 + cell / 2;
-    el("path", { d: `M${x1},${y - 4} C${x1},${y - 26} ${xa},${y - 26} ${xa},${y - 6}`, fill: "none", stroke: colors.edge, "marker-end": "url(#ringviz-arrow-s)" }, svg);
-    label(svg, (x1 + xa) / 2, y - 26, `after slot ${trace.window - 1} the next write wraps to slot 0`, { "font-size": 10, fill: colors.edge });
+    el("path", { d: `M${x1},${y - 4} C${x1},${y - 22} ${xa},${y - 22} ${xa},${y - 6}`, fill: "none", stroke: colors.edge, "marker-end": "url(#ringviz-arrow-e)" }, svg);
+    label(svg, x0, y - 28, `after slot ${trace.window - 1} the next write wraps to slot 0`, { "text-anchor": "start", "font-size": 10, fill: colors.edge });
   }
   for (let row = 0; row < trace.rows; row++) y += drawRow(svg, trace, f, row, x0, y, cell, colors);
   let width = x0 + trace.window * cell + 150;
@@ -179,7 +186,7 @@ function draw(model, svg, caption, slider, counter) {
   if (ring && trace.rows === 1 && model.get("show_band") && f.queries[0].length && f.keys[0].length) {
     const bcell = Math.max(8, Math.min(16, Math.floor(400 / f.keys[0].length)));
     height += drawBand(svg, trace, f, x0, height + 4, bcell, colors) + 8;
-    width = Math.max(width, x0 + 40 + f.keys[0].length * bcell);
+    width = Math.max(width, x0 + 40 + f.keys[0].length * bcell + 220);
   }
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
   svg.setAttribute("width", String(width));

@@ -1,0 +1,158 @@
+"""The stepper in a real browser: build a one-page book, open it from disk, click, look.
+
+Uses the repository's own _config.yml (theme, offline settings, the widget JS keys), so this
+checks what readers get: the embedded trace steps with no kernel, and no request leaves the
+machine. Needs Debian's ``chromium`` and Python ``playwright``; skips without them unless
+``RINGVIZ_REQUIRE_BROWSER=1`` (CI), where it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import nbformat
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+LOCAL_SCHEMES = ("file:", "data:", "blob:", "about:")
+OFFLINE_EXT = "ringviz.viz.offline"
+FONTS = (".woff2", ".woff", ".ttf", ".eot", ".svg")
+
+pytestmark = pytest.mark.browser
+
+
+def _need(reason: str) -> None:
+    if os.environ.get("RINGVIZ_REQUIRE_BROWSER") == "1":
+        pytest.fail(f"RINGVIZ_REQUIRE_BROWSER=1 but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not pathlib.Path(CHROMIUM).is_file():
+        _need("chromium is not installed (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _need("python playwright is not installed")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory) -> pathlib.Path:
+    """A one-notebook Jupyter Book with two steppers, built with the repo's _config.yml."""
+    src = tmp_path_factory.mktemp("book")
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    extensions = config["sphinx"].setdefault("extra_extensions", [])
+    if OFFLINE_EXT not in extensions:  # test_book_config_keeps_pages_offline reports it
+        extensions.append(OFFLINE_EXT)
+    sphinx = config["sphinx"]["config"]
+    sphinx["html_extra_path"] = [str(ROOT / p) for p in sphinx["html_extra_path"]]
+    config["execute"] = {**config.get("execute", {}), "execute_notebooks": "force"}
+    (src / "_config.yml").write_text(yaml.safe_dump(config, sort_keys=False))  # script order
+    (src / "_toc.yml").write_text("format: jb-book\nroot: stepper\n")
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
+        "name": "python3", "display_name": "Python 3", "language": "python"}})
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("# Stepper"),
+        nbformat.v4.new_code_cell("import ringviz.viz as viz\n"
+                                  "viz.RingStepper.from_scenario(window=4, prompt=6, "
+                                  "decode_steps=3)"),
+        nbformat.v4.new_code_cell("viz.RingStepper.from_scenario(window=4, prompt=5, chunk=2, "
+                                  "decode_steps=1, batch_lengths=(5, 2))"),
+    ]
+    nbformat.write(nb, src / "stepper.ipynb")
+    out = subprocess.run([str(pathlib.Path(sys.executable).with_name("jupyter-book")), "build",
+                          str(src), "-W", "-n", "--keep-going"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return src / "_build" / "html" / "stepper.html"
+
+
+@pytest.fixture
+def page(browser, book):
+    """The built page, opened from disk; every request and page error recorded."""
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+    log = {"requests": [], "external": [], "errors": [], "failed": []}
+
+    def route(r):
+        url = r.request.url
+        log["requests"].append(url)
+        if url.startswith(LOCAL_SCHEMES):
+            r.continue_()
+        else:
+            log["external"].append(url)
+            r.abort()
+
+    page.route("**/*", route)
+    page.on("pageerror", lambda err: log["errors"].append(str(err)))
+    page.on("requestfailed", lambda req: log["failed"].append(req.url))
+    page.goto(book.as_uri())
+    page.wait_for_selector(".ringviz-stepper svg .slot", timeout=30_000)
+    page.log = log
+    yield page
+    page.close()
+
+
+def test_book_config_keeps_pages_offline():
+    """The book loads the extension that drops sphinx-thebe's duplicate script (a page error)."""
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    assert OFFLINE_EXT in config["sphinx"].get("extra_extensions", []), (
+        f"add {OFFLINE_EXT} to sphinx: extra_extensions in _config.yml")
+
+
+def test_page_is_offline_and_error_free(page):
+    page.wait_for_timeout(500)
+    assert page.log["external"] == [], page.log["external"]
+    assert page.log["errors"] == [], page.log["errors"]
+    # html-manager's bundled Font Awesome 5 asks for its icon fonts at a path relative to the
+    # page; the stepper draws no icons and the theme brings its own, so only those may fail
+    failed = [u for u in page.log["failed"]
+              if not ("/@jupyter-widgets/" in u and u.endswith(FONTS))]
+    assert failed == [], failed
+    served = [u for u in page.log["requests"] if "ringviz-widgets/" in u]
+    assert any("anywidget/index.js" in u for u in served), served
+
+
+def test_each_stepper_draws_once(page):
+    assert page.locator(".ringviz-stepper").count() == 2
+
+
+def test_next_prev_and_keys_change_the_drawing(page, tmp_path):
+    stepper = page.locator(".ringviz-stepper").first
+    svg, caption = stepper.locator("svg"), stepper.locator(".ringviz-caption")
+    before_svg, before_caption = svg.inner_html(), caption.inner_text()
+    assert before_caption == "empty cache: every slot is free"
+    stepper.screenshot(path=str(tmp_path / "before.png"))
+    stepper.get_by_role("button", name="next").click()
+    assert svg.inner_html() != before_svg
+    assert caption.inner_text().startswith("tokens 0..5 (6 > W=4)")
+    assert stepper.locator(".slot-written").count() == 4
+    stepper.get_by_role("button", name="next").click()
+    assert caption.inner_text() == "token 6 written to slot 2, evicting token 2; start -> slot 3"
+    stepper.screenshot(path=str(tmp_path / "after.png"))
+    stepper.press("ArrowLeft")
+    stepper.press("ArrowLeft")
+    assert caption.inner_text() == before_caption
+    assert svg.inner_html() == before_svg
+    assert page.log["errors"] == []
+
+
+def test_slider_reaches_the_last_frame(page):
+    stepper = page.locator(".ringviz-stepper").nth(1)
+    stepper.locator("input[type=range]").fill("4")
+    text = stepper.locator(".ringviz-caption").inner_text()
+    assert text.startswith("row 0: token 5 written to slot 1"), text
+    assert "row 1: token 2 written to slot 2" in text
+    assert stepper.locator(".ringviz-counter").inner_text() == "step 4 / 4"
