@@ -72,6 +72,10 @@ class Scenario:
             raise ValueError(f"a trace holds at most {MAX_TOKENS} tokens per row, got "
                              f"{max(self.lengths)} + {self.decode_steps} decode steps")
 
+    def to_dict(self) -> dict:
+        """Plain JSON types (lists, not tuples), as stored in a trace."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
     @property
     def lengths(self) -> tuple[int, ...]:
         """Prompt length of each row."""
@@ -254,7 +258,7 @@ def trace_scenario(scenario: Scenario, *, device: torch.device | str | None = No
         queries = [[p for p in row if p >= 0] for row in pos.tolist()]
         frames.append(_ring_frame(kind, scenario, before, after, cache.start.tolist(),
                                   queries, attended))
-    return Trace(layout="ring", window=window, rows=rows, scenario=dataclasses.asdict(scenario),
+    return Trace(layout="ring", window=window, rows=rows, scenario=scenario.to_dict(),
                  frames=frames)
 
 
@@ -272,7 +276,7 @@ def trace_ring(window: int, tokens: int, *, head_dim: int = 8, theta: float = 10
         ring.push(rng.standard_normal(head_dim), rng.standard_normal(head_dim), pos)
         after = ring.positions[None].copy()
         frames.append(_ring_frame("push", scenario, before, after, [ring.start], [[pos]], after))
-    return Trace(layout="ring", window=window, rows=1, scenario=dataclasses.asdict(scenario),
+    return Trace(layout="ring", window=window, rows=1, scenario=scenario.to_dict(),
                  frames=frames)
 
 
