@@ -1,0 +1,210 @@
+"""Drawings show what the trace says; the stepper embeds the trace; the served JS is intact."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import matplotlib
+import matplotlib.pyplot as plt
+import pytest
+import traitlets
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+import ringviz.viz as viz
+from ringviz.trace import Scenario, trace_ring, trace_scenario, trace_shift
+from ringviz.viz import offline, vendor
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+@pytest.fixture(scope="module")
+def decode_trace():
+    return trace_scenario(Scenario(window=8, prompt=13, decode_steps=2))
+
+
+@pytest.fixture(scope="module")
+def batch_trace():
+    return trace_scenario(Scenario(window=4, chunk=3, decode_steps=2, batch_lengths=(7, 2, 5)))
+
+
+def _texts(ax: Axes) -> list[str]:
+    return [t.get_text() for t in ax.texts]
+
+
+def _legend(ax: Axes) -> list[str]:
+    return [t.get_text() for t in ax.get_legend().get_texts()]
+
+
+def test_set_style_uses_the_colour_blind_safe_cycle():
+    viz.set_style()
+    colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+    assert colors[:3] == ["#0072B2", "#E69F00", "#009E73"]
+    assert set(viz.STATE_COLORS) == {"visible", "stale", "future", "empty"}
+
+
+def test_ring_row_shows_positions_eviction_and_caption(decode_trace):
+    ax = viz.draw_ring_row(decode_trace, frame=2)
+    assert isinstance(ax, Axes)
+    texts = _texts(ax)
+    in_boxes = [t.get_text() for t in ax.texts if t.get_position()[1] == pytest.approx(0.4)]
+    assert in_boxes[:8] == ["8", "9", "10", "11", "12", "13", "6", "7"]
+    assert "evicted 5" in texts
+    assert any("wraps to slot 0" in t for t in texts)
+    assert ax.get_title(loc="left") == decode_trace.frames[2].caption
+    assert {"visible", "empty", "written", "write pointer", "start"} <= set(_legend(ax))
+
+
+def test_drawing_on_a_given_axes_returns_it(decode_trace):
+    fig, ax = plt.subplots()
+    assert viz.draw_ring_circle(decode_trace, 1, ax=ax) is ax
+    assert viz.draw_batch(decode_trace, ax=ax) is ax
+
+
+def test_circle_labels_every_slot(decode_trace):
+    ax = viz.draw_ring_circle(decode_trace, frame=2)
+    texts = _texts(ax)
+    assert all(str(s) in texts for s in range(8))
+    assert "evicted 5" in texts
+    assert ax.get_title() == "ring, W=8: slot = pos % 8"
+
+
+def test_batch_view_has_one_labelled_ring_per_row(batch_trace):
+    ax = viz.draw_batch(batch_trace, frame=3)
+    texts = _texts(ax)
+    assert ["row 0\n4 visible", "row 1\n2 visible", "row 2\n4 visible"] == [
+        t for t in texts if t.startswith("row")]
+
+
+def test_ring_and_shift_side_by_side():
+    fig = viz.draw_ring_and_shift(trace_ring(4, 6), trace_shift(4, 6))
+    assert isinstance(fig, Figure)
+    note = [t for t in _texts(fig.axes[1]) if "copied" in t]
+    assert note == ["above: the ring, 0 entries moved; below: the shift window (oldest first), "
+                    "3 entries copied this step"]
+    with pytest.raises(ValueError, match="ring trace first"):
+        viz.draw_ring_and_shift(trace_shift(4, 6), trace_ring(4, 6))
+
+
+def test_decode_mask_names_every_state():
+    ax = viz.draw_decode_mask(9, [8, 9, 2, -1, 10], window=4)
+    assert _legend(ax) == ["visible", "stale", "future", "empty"]
+    assert "sees 6..9" in ax.get_title(loc="left")
+
+
+def test_band_mask_heatmap_colours_by_state():
+    ax = viz.draw_band_mask([4, 5], [0, 1, 2, 3, 4, 5], window=3)
+    codes = ax.images[0].get_array()
+    # 0 visible, 1 stale, 2 future: query 4 sees 2..4, query 5 sees 3..5
+    assert codes.tolist() == [[1, 1, 0, 0, 0, 2], [1, 1, 1, 0, 0, 0]]
+    assert ax.get_xlabel() == "key position" and ax.get_ylabel() == "query position"
+    with pytest.raises(ValueError, match="at least one"):
+        viz.draw_band_mask([], [1], window=3)
+
+
+def test_rope_angles_bars(decode_trace):
+    ax = viz.draw_rope_angles(decode_trace)
+    assert _legend(ax) == ["absolute position (correct)", "slot index (wrong after wrap)"]
+    with pytest.raises(ValueError, match="no RoPE"):
+        viz.draw_rope_angles(trace_shift(4, 3))
+
+
+def test_memory_and_latency_plots_take_dict_rows():
+    rows = [{"cache": c, "tokens": n, "bytes": b} for c, n, b in
+            (("ring", 1, 64), ("ring", 8, 64), ("growing", 1, 8), ("growing", 8, 64))]
+    ax = viz.plot_memory(rows)
+    assert [line.get_label() for line in ax.lines] == ["ring", "growing"]
+    assert ax.get_ylabel() == "cache memory (bytes)"
+    lat = viz.plot_latency([{"method": "ring", "window": w, "ms_per_token": 0.1} for w in (4, 8)])
+    assert lat.get_xscale() == "log" and lat.get_xlabel() == "window W (slots)"
+    with pytest.raises(ValueError, match=r"lacks key\(s\) \['bytes'\]"):
+        viz.plot_memory([{"cache": "ring", "tokens": 1}])
+    with pytest.raises(ValueError, match="at least one row"):
+        viz.plot_latency([])
+
+
+def test_frames_strip_keeps_at_most_max_frames(batch_trace):
+    fig = viz.draw_frames(batch_trace, max_frames=3)
+    titles = [ax.get_title(loc="left") for ax in fig.axes]
+    assert len(titles) == 3
+    assert titles[0].startswith("step 0:") and titles[-1].startswith("step 5:")
+
+
+def test_bad_frame_or_row_raises(decode_trace):
+    with pytest.raises(ValueError, match="frame 99 out of range"):
+        viz.draw_ring_row(decode_trace, 99)
+    with pytest.raises(ValueError, match="row 1 out of range"):
+        viz.draw_ring_circle(decode_trace, row=1)
+    with pytest.raises(TypeError, match="Trace"):
+        viz.draw_batch(decode_trace.to_dict())
+
+
+def test_stepper_embeds_the_whole_trace():
+    stepper = viz.RingStepper.from_scenario(window=4, prompt=6, decode_steps=2)
+    expected = trace_scenario(Scenario(window=4, prompt=6, decode_steps=2))
+    assert stepper.trace == expected.to_dict()
+    assert json.loads(json.dumps(stepper.trace)) == stepper.trace  # what the page embeds
+    assert stepper.to_trace() == expected
+    assert "export default" in stepper._esm
+    assert ".ringviz-stepper" in stepper._css
+    assert stepper.colors["visible"] == viz.STATE_COLORS["visible"]
+    stepper.frame = 3
+    with pytest.raises(traitlets.TraitError, match=r"0\.\.3"):
+        stepper.frame = 4
+    assert isinstance(stepper.static_figure(), Figure)
+
+
+def test_stepper_accepts_only_traces():
+    with pytest.raises(TypeError, match="Trace"):
+        viz.RingStepper({"frames": []})
+    viz.RingStepper(trace_shift(4, 5))  # any trace, including the shift window
+
+
+def test_controls_rebuild_and_reject_bad_input():
+    controls = viz.interactive_stepper(window=4, prompt=6)
+    controls.stepper.frame = 2
+    controls.window.value = 3
+    assert controls.stepper.trace["window"] == 3 and controls.stepper.frame == 0
+    controls.batch.value = "5, 2"
+    assert controls.stepper.trace["rows"] == 2
+    before = controls.stepper.trace
+    controls.batch.value = "5, x"
+    assert "integers" in controls.message.value
+    controls.batch.value = "5, 0"
+    assert "batch_lengths[1]" in controls.message.value
+    assert controls.stepper.trace is before
+    controls.batch.value = ""
+    assert controls.message.value == "" and controls.stepper.trace["rows"] == 1
+
+
+def test_vendored_js_matches_pinned_checksums():
+    assert vendor.check() == []
+    versions = json.loads((vendor.TARGET / "VERSIONS.json").read_text())
+    assert versions["requirejs"]["version"].startswith("2.3.")
+    assert versions["@jupyter-widgets/html-manager"]["version"].startswith("1.0.")
+    assert versions["anywidget"]["version"] == vendor.ANYWIDGET[0]
+    for name in ("requirejs", "html-manager", "anywidget"):
+        assert (vendor.TARGET / "LICENSES" / f"{name}.txt").read_text().strip()
+    assert "anywidget/index" in (vendor.TARGET / "ringviz-widgets.js").read_text()
+
+
+class _Script:
+    def __init__(self, filename, **attributes):
+        self.filename, self.attributes = filename, attributes
+
+
+def test_offline_extension_dedupes_and_flags_remote_assets(caplog):
+    thebe = "const THEBE_JS_URL = 1"
+    context = {"script_files": [_Script(None, body=thebe), _Script("a.js"),
+                                _Script("", body=thebe), _Script("https://cdn.example/x.js")],
+               "css_files": [_Script("b.css")]}
+    with caplog.at_level(logging.WARNING):
+        offline._check_page(None, "page", "page.html", context, None)
+    assert [s.filename for s in context["script_files"]] == [None, "a.js",
+                                                             "https://cdn.example/x.js"]
+    assert "loads https://cdn.example/x.js from the web" in caplog.text
