@@ -149,6 +149,15 @@ def test_next_prev_and_keys_change_the_drawing(page, tmp_path):
     assert page.log["errors"] == []
 
 
+def test_play_runs_to_the_end(page):
+    stepper = page.locator(".ringviz-stepper").first
+    stepper.get_by_role("button", name="play").click()
+    counter = stepper.locator(".ringviz-counter")
+    page.wait_for_function("el => el.textContent === 'step 4 / 4'", arg=counter.element_handle(),
+                           timeout=10_000)
+    assert stepper.get_by_role("button", name="play").inner_text() == "▶ play"  # stopped
+
+
 def test_slider_reaches_the_last_frame(page):
     stepper = page.locator(".ringviz-stepper").nth(1)
     stepper.locator("input[type=range]").fill("4")

@@ -182,6 +182,7 @@ function draw(model, svg, caption, slider, counter) {
     height = Math.max(height, 2 * r + 40);
   }
   legend(svg, x0, height + 2, colors, ring);
+  width = Math.max(width, x0 + (ring ? 450 : 260));  // room for the legend
   height += 24;
   if (ring && trace.rows === 1 && model.get("show_band") && f.queries[0].length && f.keys[0].length) {
     const bcell = Math.max(8, Math.min(16, Math.floor(400 / f.keys[0].length)));
