@@ -84,9 +84,10 @@ def test_batch_view_has_one_labelled_ring_per_row(batch_trace):
 def test_ring_and_shift_side_by_side():
     fig = viz.draw_ring_and_shift(trace_ring(4, 6), trace_shift(4, 6))
     assert isinstance(fig, Figure)
-    note = [t for t in _texts(fig.axes[1]) if "copied" in t]
-    assert note == ["above: the ring, 0 entries moved; below: the shift window (oldest first), "
-                    "3 entries copied this step"]
+    assert fig.axes[0].get_title(loc="left").endswith("start -> slot 2; 0 entries moved")
+    assert fig.axes[1].get_title(loc="left").replace("\n", " ") == (
+        "shift window (oldest first): 3 tokens each copied one slot left, then token 5 written "
+        "at the end; token 1 dropped")
     with pytest.raises(ValueError, match="ring trace first"):
         viz.draw_ring_and_shift(trace_shift(4, 6), trace_ring(4, 6))
 

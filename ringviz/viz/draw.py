@@ -110,9 +110,9 @@ def draw_ring_row(trace: Trace, frame: int = -1, *, row: int = 0,
         ax.add_patch(FancyArrowPatch((trace.window - 0.5, 1.12), (0.5, 1.12),
                                      connectionstyle="arc3,rad=0.12", arrowstyle="-|>",
                                      mutation_scale=12, color=EDGE_COLOR, linewidth=1))
-        ax.text(trace.window / 2, 1.32, f"after slot {trace.window - 1} the next write wraps "
+        ax.text(trace.window / 2, 1.45, f"after slot {trace.window - 1} the next write wraps "
                 "to slot 0", ha="center", va="bottom", fontsize=8, color=EDGE_COLOR)
-    _finish_rows(ax, trace.window, 1, top=1.65 if trace.layout == "ring" else 1.15)
+    _finish_rows(ax, trace.window, 1, top=1.8 if trace.layout == "ring" else 1.15)
     ax.set_title(_wrap(f.caption), loc="left", fontsize=9)
     _legend(ax, ("visible", "empty"), pointers=trace.layout == "ring")
     return ax
@@ -177,10 +177,10 @@ def draw_ring_and_shift(ring: Trace, shift: Trace, frame: int = -1) -> Figure:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(BOOK_WIDTH, 3.8))
     draw_ring_row(ring, frame, ax=top)
     draw_ring_row(shift, frame, ax=bottom)
-    moved = shift.frames[frame].moved[0]
-    bottom.text(-0.8, -0.42, f"above: the ring, {ring.frames[frame].moved[0]} entries moved; "
-                f"below: the shift window (oldest first), {moved} entries copied this step",
-                fontsize=9, va="top")
+    top.set_title(_wrap(f"ring: {ring.frames[frame].caption}; "
+                        f"{ring.frames[frame].moved[0]} entries moved"), loc="left", fontsize=9)
+    bottom.set_title(_wrap(f"shift window (oldest first): {shift.frames[frame].caption}"),
+                     loc="left", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -193,6 +193,7 @@ function draw(model, svg, caption, slider, counter) {
   svg.setAttribute("width", String(width));
   svg.setAttribute("height", String(height));
   caption.textContent = f.caption;
+  svg.setAttribute("aria-label", `step ${i}: ${f.caption}`);
   slider.max = String(n - 1);
   slider.value = String(i);
   counter.textContent = `step ${i} / ${n - 1}`;
