@@ -131,7 +131,7 @@ def _check_int(name: str, value: object, low: int) -> None:
 
 
 def spans(values: list[int]) -> str:
-    """Compress sorted ints for captions: ``[0, 1, 2, 5] -> '0..2, 5'``."""
+    """Runs of consecutive ints for captions: ``[0, 1, 2, 5] -> '0..2, 5'``; order is kept."""
     runs: list[list[int]] = []
     for v in values:
         if runs and v == runs[-1][-1] + 1:
@@ -139,6 +139,11 @@ def spans(values: list[int]) -> str:
         else:
             runs.append([v])
     return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}..{r[-1]}" for r in runs)
+
+
+def _named(noun: str, values: list[int]) -> str:
+    """``token 5`` or ``tokens 0..4``."""
+    return f"{noun} {values[0]}" if len(values) == 1 else f"{noun}s {spans(values)}"
 
 
 def slot_states(query_pos: int, positions: np.ndarray, window: int) -> list[str]:
@@ -183,16 +188,16 @@ def _row_caption(queries: list[int], evicted: list[int],
     if not queries:
         return "padding only, nothing written"
     kept = [p for p in queries if p in after]
-    slots = [after.index(p) for p in kept]
-    what = f"token {queries[0]}" if len(queries) == 1 else f"tokens {spans(queries)}"
-    where = f"slot {slots[0]}" if len(slots) == 1 else f"slots {spans(slots)}"
-    text = f"{what} written to {where}"
+    where = _named("slot", [after.index(p) for p in kept])
     dropped = [p for p in queries if p not in after]
+    text = f"{_named('token', queries)} written to {where}"
     if dropped:
-        text = (f"{what} ({len(queries)} > W={window}) all attended inside the chunk; "
-                f"tokens {spans(kept)} kept in {where}; tokens {spans(dropped)} never stored")
+        text = (f"{_named('token', queries)} ({len(queries)} > W={window}) all attended inside "
+                f"the chunk; {_named('token', kept)} kept in {where}")
     if evicted:
-        text += f", evicting {'token' if len(evicted) == 1 else 'tokens'} {spans(evicted)}"
+        text += f", evicting {_named('token', evicted)}"
+    if dropped:
+        text += f"; {_named('token', dropped)} never stored"
     return f"{text}; start -> slot {start}"
 
 
@@ -241,15 +246,16 @@ def trace_scenario(scenario: Scenario, *, device: torch.device | str | None = No
     """Run ``scenario`` through a real :class:`RingKVCache` and record every state."""
     if not isinstance(scenario, Scenario):
         raise TypeError(f"scenario must be a Scenario, got {type(scenario).__name__}")
-    torch.manual_seed(123)
     rows, window, dim = len(scenario.lengths), scenario.window, scenario.head_dim
     cache = RingKVCache(rows, 1, window, dim, device=device)
+    gen = torch.Generator(device=cache.device).manual_seed(123)
     empty = cache.positions.cpu().numpy()
     frames = [_ring_frame("empty", scenario, empty, empty, cache.start.tolist(),
                           [[] for _ in range(rows)], empty)]
     for kind, pos in _steps(scenario):
         T = pos.shape[1]
-        q, k, v = torch.randn(3, rows, 1, T, dim, device=cache.device)  # each (B, 1, T, head_dim)
+        q, k, v = torch.randn(3, rows, 1, T, dim, generator=gen,
+                              device=cache.device)  # each (B, n_kv_heads=1, T, head_dim)
         before = cache.positions.cpu().numpy().copy()  # (B, window)
         cache.step(q, k, v, torch.as_tensor(pos, device=cache.device))
         after = cache.positions.cpu().numpy().copy()  # (B, window)
@@ -264,9 +270,9 @@ def trace_scenario(scenario: Scenario, *, device: torch.device | str | None = No
 
 def trace_ring(window: int, tokens: int, *, head_dim: int = 8, theta: float = 10000.0) -> Trace:
     """Push ``tokens`` tokens one by one into the teaching :class:`RingKV` and record each state."""
-    scenario = Scenario(window=window, prompt=max(tokens, 1), decode_steps=0, head_dim=head_dim,
-                        theta=theta)
     _check_int("tokens", tokens, 1)
+    scenario = Scenario(window=window, prompt=tokens, decode_steps=0, head_dim=head_dim,
+                        theta=theta)
     rng = np.random.default_rng(42)
     ring = RingKV(window, head_dim)
     empty = ring.positions[None].copy()
