@@ -156,3 +156,19 @@ def ring_logits(runner: RingRunner, rows: list[torch.Tensor], prompt_lengths: li
     decode = torch.cat(steps, dim=1) if steps else prefill[:, :0]
     return [torch.cat([prefill[b, prefill.shape[1] - p:], decode[b]])
             for b, p in enumerate(prompt_lengths)]
+
+
+@torch.no_grad()
+def ring_generate(runner: RingRunner, prompts: list[torch.Tensor],
+                  new_tokens: int) -> list[torch.Tensor]:
+    """Greedy decoding through the ring: each row's ``new_tokens`` next token ids."""
+    if new_tokens <= 0:
+        raise ValueError(f"new_tokens must be positive, got {new_tokens}")
+    ids, positions = left_pad(prompts, pad_id=int(prompts[0][0]))
+    nxt = runner.forward(ids, positions)[:, -1].argmax(-1)  # (B,)
+    out = [nxt]
+    pos = positions[:, -1] + 1  # (B,) next absolute position of each row
+    for i in range(new_tokens - 1):
+        nxt = runner.forward(nxt[:, None], (pos + i)[:, None])[:, -1].argmax(-1)  # (B,)
+        out.append(nxt)
+    return list(torch.stack(out, dim=1))  # B tensors of (new_tokens,)

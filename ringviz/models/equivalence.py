@@ -11,36 +11,16 @@ single-sequence reference.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
 from ringviz.models.drive import RingRunner, layer_windows, ring_logits
 from ringviz.models.load import get_spec, load_model
-from ringviz.models.reference import has_native_window, reference_logits
+from ringviz.models.reference import has_native_window, native_window, reference_logits
 from ringviz.models.text import eval_tokens
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 ROW_OFFSET = 7  # row b starts 7*b tokens later in the text, so rows hold different tokens
-
-
-@contextmanager
-def native_window(model, window: int | None) -> Iterator[int | None]:
-    """For a native-window model, run HF's own sliding layers with ``window`` (then restore).
-
-    Gemma's masks read ``config.sliding_window`` at call time, so this changes HF's reference
-    and our ring together; models without a native window are left alone.
-    """
-    if not has_native_window(model):
-        yield window
-        return
-    before = model.config.sliding_window
-    model.config.sliding_window = before if window is None else window
-    try:
-        yield model.config.sliding_window
-    finally:
-        model.config.sliding_window = before
 
 
 def ragged_rows(tokens: torch.Tensor, batch: int, prompt_tokens: int,
@@ -99,7 +79,7 @@ def run_equivalence(model: str, window: int | None, prompt_tokens: int, new_toke
         t1 = time.perf_counter()
         ring = ring_logits(runner, rows, lengths, progress=True)
         t2 = time.perf_counter()
-        ref = [reference_logits(lm, r, None if has_native_window(lm) else window) for r in rows]
+        ref = [reference_logits(lm, r, window) for r in rows]
         t3 = time.perf_counter()
     return {
         "model": model, "window": window, "dtype": dtype, "batch": batch,

@@ -10,6 +10,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 
@@ -28,6 +31,24 @@ def band_bias(length: int, window: int | None, sinks: int = 0, *, dtype: torch.d
     return bias.masked_fill(~seen, torch.finfo(dtype).min)[None, None]
 
 
+@contextmanager
+def native_window(model, window: int | None) -> Iterator[int | None]:
+    """Run a native-window model's sliding layers with ``window`` for a block (None: its own).
+
+    HF's Gemma masks read ``config.sliding_window`` at call time, so this changes HF's own
+    forward and ringviz's ring together. Models without a native window are left alone.
+    """
+    if not has_native_window(model):
+        yield window
+        return
+    before = model.config.sliding_window
+    model.config.sliding_window = before if window is None else window
+    try:
+        yield model.config.sliding_window
+    finally:
+        model.config.sliding_window = before
+
+
 def has_native_window(model) -> bool:
     """True when the model's own layers use a sliding window (Gemma 3), False for Llama."""
     return "sliding_attention" in (getattr(model.config, "layer_types", None) or [])
@@ -37,21 +58,29 @@ def has_native_window(model) -> bool:
 def reference_logits(model, ids: torch.Tensor, window: int | None, sinks: int = 0) -> torch.Tensor:
     """Logits ``(L, vocab)`` for one unpadded sequence ``ids`` (L,), by one full forward.
 
-    Native-window models run as they are (``window`` must then be None or their own window);
-    others get the band mask for ``window`` (None = full causal attention) and ``sinks``.
+    Without a native window: the band mask for ``window`` (None = full causal) and ``sinks``
+    on every layer. With one (Gemma 3): ``window`` is its sliding layers' window (None = its
+    own); without sinks HF builds its own masks, with sinks its sliding layers get our band.
     """
     if ids.ndim != 1:
         raise ValueError(f"ids must be one sequence (L,), got shape {tuple(ids.shape)}")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
     positions = torch.arange(len(ids), device=ids.device)[None]
-    if has_native_window(model):
-        if sinks or window not in (None, model.config.sliding_window):
-            raise ValueError(f"{model.config.model_type} runs with its own window "
-                             f"{model.config.sliding_window} and no sinks; got window={window}, "
-                             f"sinks={sinks}")
-        return model(input_ids=ids[None], position_ids=positions, use_cache=False).logits[0]
-    bias = band_bias(len(ids), window, sinks, dtype=next(model.parameters()).dtype,
-                     device=ids.device)
-    out = model(input_ids=ids[None], attention_mask=bias, position_ids=positions, use_cache=False)
+    dtype = next(model.parameters()).dtype
+
+    def bias(w: int | None, s: int) -> torch.Tensor:
+        return band_bias(len(ids), w, s, dtype=dtype, device=ids.device)
+
+    if not has_native_window(model):
+        mask = bias(window, sinks)
+    elif sinks == 0:
+        with native_window(model, window):
+            return model(input_ids=ids[None], position_ids=positions, use_cache=False).logits[0]
+    else:
+        mask = {"full_attention": bias(None, 0),
+                "sliding_attention": bias(window or model.config.sliding_window, sinks)}
+    out = model(input_ids=ids[None], attention_mask=mask, position_ids=positions, use_cache=False)
     return out.logits[0]
 
 

@@ -1,0 +1,80 @@
+"""What a window costs in quality: perplexity of full attention, windows, and windows with sinks.
+
+``python -m ringviz perplexity --model smollm2 --windows 16,64,256 --sinks 0,4 --tokens 1000``
+scores the shipped text once per setting with a full forward under a band mask (reference.py).
+A query at p sees ``p-W+1 .. p`` plus, with ``S`` sinks, the first ``S`` positions (StreamingLLM's
+attention sinks, here at their absolute positions: the cache holds ``S + W`` entries). One
+setting, the first window without sinks, is also decoded token by token through the ring
+(drive.py), to show the ring reproduces the band-mask figure.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ringviz.models.drive import RingRunner, ring_logits
+from ringviz.models.load import load_model
+from ringviz.models.reference import has_native_window, reference_logits
+from ringviz.models.text import eval_tokens
+
+
+def nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per-token negative log-likelihood ``(L-1,)`` of ``ids[1:]`` under ``logits[:-1]``."""
+    logp = torch.log_softmax(logits[:-1].double(), dim=-1)  # (L-1, vocab)
+    return -logp.gather(1, ids[1:, None])[:, 0]
+
+
+def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    """``exp(mean NLL)`` over the sequence."""
+    return math.exp(float(nll(logits, ids).mean()))
+
+
+def band_perplexity(model, ids: torch.Tensor, window: int | None, sinks: int = 0) -> float:
+    """Perplexity with the reference band mask (one full forward)."""
+    return perplexity(reference_logits(model, ids, window, sinks), ids)
+
+
+def ring_check(model, ids: torch.Tensor, window: int, *, progress: bool = False) -> dict:
+    """Decode ``ids`` one token at a time through the ring and compare with the band mask."""
+    runner = RingRunner(model, 1, window, capacity=len(ids))
+    ring = ring_logits(runner, [ids], [1], progress=progress)[0]  # (L, vocab)
+    ref = reference_logits(model, ids, window)
+    return {"window": window, "sinks": 0, "ring_perplexity": perplexity(ring, ids),
+            "band_mask_perplexity": perplexity(ref, ids),
+            "max_abs_logit_diff": float((ring - ref).abs().max()),
+            "ring_cache_bytes": runner.nbytes}
+
+
+def _check(windows: list[int], sinks: list[int], tokens: int) -> None:
+    if not windows or any(isinstance(w, bool) or not isinstance(w, int) or w <= 0
+                          for w in windows):
+        raise ValueError(f"windows must be positive ints, got {windows!r}")
+    if not sinks or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sinks):
+        raise ValueError(f"sinks must be ints >= 0, got {sinks!r}")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
+        raise ValueError(f"tokens must be an int >= 2, got {tokens!r}")
+
+
+def run_perplexity(model: str, windows: list[int], sinks: list[int], tokens: int) -> dict:
+    """Perplexity table (full, each window, each window with sinks) plus one ring check."""
+    _check(windows, sinks, tokens)
+    t0 = time.perf_counter()
+    lm, tokenizer = load_model(model)
+    ids = eval_tokens(tokenizer, tokens)
+    # full attention; a native-window model gets a window covering the whole text
+    full = band_perplexity(lm, ids, tokens if has_native_window(lm) else None)
+    rows = []
+    for w in windows:
+        for s in sinks:
+            ppl = band_perplexity(lm, ids, w, s)
+            rows.append({"window": w, "sinks": s, "perplexity": ppl,
+                         "increase_pct": 100 * (ppl / full - 1)})
+    t1 = time.perf_counter()
+    check = ring_check(lm, ids, min(windows), progress=True)
+    return {"model": model, "tokens": tokens, "full_attention_perplexity": full,
+            "settings": rows, "ring_check": check,
+            "seconds": {"band_masks": round(t1 - t0, 2),
+                        "ring_check": round(time.perf_counter() - t1, 2)}}
