@@ -60,18 +60,19 @@ function drawRow(svg, trace, f, row, x0, y0, cell, colors) {
   if (trace.layout === "ring") {
     const ws = writeSlot(f.positions[row]);
     if (ws >= 0) {
-      const tri = (s, dy, color, name) => {
-        const cx = x0 + s * cell + cell / 2, cy = y0 + cell - 2 + dy;
+      // both pointers on one line under the row: write right of centre, start left of it
+      const tri = (s, dx, color, name) => {
+        const cx = x0 + s * cell + cell / 2 + dx, cy = y0 + cell + 1;
         el("path", { d: `M${cx},${cy} l-6,10 h12 z`, fill: color, class: name }, svg);
       };
-      tri(ws, 2, colors.write, "write-pointer");
-      tri(f.start[row], 13, colors.start, "start-pointer");
+      tri(ws, 7, colors.write, "write-pointer");
+      tri(f.start[row], -7, colors.start, "start-pointer");
     }
   }
   if (trace.rows > 1) {
     label(svg, x0 - 8, y0 + cell / 2 - 2, `row ${row}`, { "text-anchor": "end", class: "row-label" });
   }
-  return cell + 24;
+  return cell + 22;
 }
 
 /** The ring as a circle (single-row ring traces): slot 0 at 12 o'clock, clockwise. */
