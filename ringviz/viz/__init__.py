@@ -3,13 +3,16 @@
 Usage in a chapter::
 
     import ringviz.viz as viz
+    from ringviz.trace import Scenario, trace_ring, trace_scenario, trace_shift
     viz.set_style()                                   # once, first cell
     stepper = viz.RingStepper.from_scenario(window=8, prompt=13, chunk=None, decode_steps=4)
-    stepper.show()                                    # widget + static strip of the same frames
-    viz.RingStepper.from_scenario(window=4, prompt=7, chunk=3, batch_lengths=(7, 2, 5)).show()
+    stepper                                           # the widget; then, in the next cell,
+    stepper.static_figure()                           # the same frames for print/static readers
+    viz.RingStepper.from_scenario(window=4, prompt=7, chunk=3, batch_lengths=(7, 2, 5))
+    viz.RingStepper(trace_ring(window=4, tokens=11), show_band=False)  # any trace
     viz.interactive_stepper(window=8, prompt=12)      # live: sliders rebuild the trace
 
-    t = ringviz.trace.trace_scenario(ringviz.trace.Scenario(window=8, prompt=13))
+    t = trace_scenario(Scenario(window=8, prompt=13))
     viz.draw_ring_row(t, frame=1); viz.draw_ring_circle(t, frame=1); viz.draw_batch(t)
     viz.draw_ring_and_shift(trace_ring(4, 6), trace_shift(4, 6))
     viz.draw_decode_mask(query_pos=9, positions=[8, 9, 2, 3], window=4)

@@ -102,7 +102,7 @@ def _finish_rows(ax: Axes, window: int, n_rows: int, top: float = 1.15) -> None:
 
 def draw_ring_row(trace: Trace, frame: int = -1, *, row: int = 0,
                   ax: Axes | None = None) -> Axes:
-    """One ring as a row of slots, with pointers, evictions and the wrap-around arrow."""
+    """One ring as a row of slots, with pointers, evictions and the wrap-around arrow (ch. 3)."""
     f, row = _frame(trace, frame), _row(trace, row)
     ax = _axes(ax, (BOOK_WIDTH, 1.9))
     _slots(ax, f, row, 0.0, pointers=trace.layout == "ring", index=True)
@@ -120,7 +120,7 @@ def draw_ring_row(trace: Trace, frame: int = -1, *, row: int = 0,
 
 def draw_ring_circle(trace: Trace, frame: int = -1, *, row: int = 0,
                      ax: Axes | None = None) -> Axes:
-    """One ring as a circle: slot 0 at the top, slots clockwise, arrows to start and write."""
+    """One ring as a circle: slot 0 on top, clockwise, arrows to start and write (ch. 3)."""
     f, row = _frame(trace, frame), _row(trace, row)
     if trace.layout != "ring":
         raise ValueError("draw_ring_circle draws ring traces; a shift window is a row")
@@ -156,7 +156,7 @@ def draw_ring_circle(trace: Trace, frame: int = -1, *, row: int = 0,
 
 
 def draw_batch(trace: Trace, frame: int = -1, *, ax: Axes | None = None) -> Axes:
-    """Every batch row's ring, one above the other (row 0 on top), with its visible count."""
+    """Every batch row's ring, one above the other (row 0 on top), with its count (ch. 7)."""
     f = _frame(trace, frame)
     ax = _axes(ax, (BOOK_WIDTH, 1.0 + 0.75 * trace.rows))
     for row in range(trace.rows):
@@ -171,7 +171,7 @@ def draw_batch(trace: Trace, frame: int = -1, *, ax: Axes | None = None) -> Axes
 
 
 def draw_ring_and_shift(ring: Trace, shift: Trace, frame: int = -1) -> Figure:
-    """The ring and the copying window after the same tokens, one above the other."""
+    """The ring and the copying window after the same tokens, one above the other (ch. 2)."""
     if ring.layout != "ring" or shift.layout != "shift":
         raise ValueError("pass a ring trace first and a shift trace second")
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(BOOK_WIDTH, 3.8))

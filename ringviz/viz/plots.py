@@ -28,7 +28,7 @@ def _state_legend(ax: Axes, states: Sequence[str], **kwargs) -> None:
 
 def draw_decode_mask(query_pos: int, positions: Sequence[int], window: int, *,
                      ax: Axes | None = None) -> Axes:
-    """One query's view of the cache slots: visible, stale, future or empty."""
+    """One query's view of the cache slots: visible, stale, future or empty (chapter 5)."""
     states = slot_states(query_pos, np.asarray(positions, dtype=np.int64), window)
     ax = _axes(ax, (BOOK_WIDTH, 1.4))
     for s, (pos, state) in enumerate(zip(positions, states, strict=True)):
@@ -51,7 +51,7 @@ def draw_decode_mask(query_pos: int, positions: Sequence[int], window: int, *,
 
 def draw_band_mask(q_positions: Sequence[int], k_positions: Sequence[int], window: int, *,
                    ax: Axes | None = None) -> Axes:
-    """Heatmap of queries (rows) x keys (columns), coloured visible / stale / future / empty."""
+    """Heatmap of queries (rows) x keys (columns): visible / stale / future / empty (ch. 5)."""
     if len(q_positions) == 0 or len(k_positions) == 0:
         raise ValueError("draw_band_mask needs at least one query and one key position")
     keys = np.asarray(k_positions, dtype=np.int64)
@@ -144,6 +144,7 @@ def plot_latency(rows: Sequence[dict], *, x: str = "window", y: str = "ms_per_to
     """Per-token latency vs window size, one line per method (ring, shift-copy, HF layers...).
 
     ``rows``: e.g. ``[{"method": "ring", "window": 512, "ms_per_token": 0.21}, ...]``.
+    Used by ``ringviz.bench.report`` (chapter 9).
     """
     _check_rows(rows, (x, y, group), "plot_latency")
     ax = _axes(ax, (BOOK_WIDTH, 3.0))

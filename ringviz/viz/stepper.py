@@ -26,7 +26,10 @@ COLORS = {**STATE_COLORS, "write": WRITE_COLOR, "start": START_COLOR, "evict": E
 
 
 class RingStepper(anywidget.AnyWidget):
-    """Step through a trace: prev / next / play, a slider, arrow keys, a caption per step."""
+    """Step through a trace: prev / next / play, a slider, arrow keys, a caption per step.
+
+    Used in chapters 3 (ring indexing), 5 (masks), 6 (prefill) and 7 (batching).
+    """
 
     _esm = _HERE / "stepper.js"
     _css = _HERE / "stepper.css"
