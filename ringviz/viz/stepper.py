@@ -11,9 +11,7 @@ import pathlib
 
 import anywidget
 import ipywidgets as widgets
-import matplotlib.pyplot as plt
 import traitlets
-from IPython.display import display
 from matplotlib.figure import Figure
 
 from ringviz.trace import Scenario, Trace, trace_scenario
@@ -67,13 +65,6 @@ class RingStepper(anywidget.AnyWidget):
     def static_figure(self, max_frames: int = 10) -> Figure:
         """The same frames as a matplotlib strip (for print, search and no-JavaScript readers)."""
         return draw_frames(self.to_trace(), max_frames=max_frames)
-
-    def show(self, max_frames: int = 10) -> None:
-        """Display the stepper, then the static strip of its frames below it."""
-        display(self)
-        fig = self.static_figure(max_frames)
-        display(fig)
-        plt.close(fig)
 
 
 class Controls(widgets.VBox):
