@@ -27,10 +27,15 @@ import torch
 
 @dataclass(frozen=True)
 class Case:
-    """One implementation under test: ``step()`` performs one measured call (e.g. one decode)."""
+    """One implementation at one window: ``step()`` performs one measured call (one decode)."""
 
     impl: str
+    window: int
     step: Callable[[], object]
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.impl, self.window
 
 
 @dataclass(frozen=True)
@@ -81,10 +86,21 @@ def time_block(step: Callable[[], object], calls: int, device: torch.device) -> 
 
 def _calls_per_sample(step: Callable[[], object], warmup: int, min_sample_s: float,
                       device: torch.device, max_inner: int = 10_000) -> int:
-    """Run the warm-up calls and pick how many calls make one sample of ~``min_sample_s``."""
-    warm = [time_block(step, 1, device) for _ in range(max(1, warmup))]
-    one_call = max(min(warm), 1e-9)
-    return int(min(max_inner, max(1, math.ceil(min_sample_s / one_call))))
+    """Run the warm-up calls, then find how many back-to-back calls last ``min_sample_s``.
+
+    Like ``timeit``'s autorange: a block is timed and scaled up until it is long enough, so the
+    first, cache-cold call of a sample weighs little in a fast step's per-call time.
+    """
+    for _ in range(warmup):
+        step()
+    calls = 1
+    while calls < max_inner:
+        elapsed = time_block(step, calls, device)
+        if elapsed >= min_sample_s:
+            break
+        grow = math.ceil(calls * 1.2 * min_sample_s / max(elapsed, 1e-9))
+        calls = min(max_inner, max(2 * calls, grow))
+    return calls
 
 
 def summarize(per_call_s: Sequence[float], inner: int) -> Timing:
@@ -96,21 +112,22 @@ def summarize(per_call_s: Sequence[float], inner: int) -> Timing:
 
 
 def measure_interleaved(cases: Sequence[Case], *, reps: int, warmup: int, min_sample_s: float,
-                        device: torch.device) -> dict[str, Timing]:
-    """Time every case in the same rotated round-robin blocks; ``{impl: Timing}``."""
+                        device: torch.device) -> dict[tuple[str, int], Timing]:
+    """Time every case in the same rotated round-robin blocks; ``{(impl, window): Timing}``."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    if len({c.impl for c in cases}) != len(cases):
-        raise ValueError(f"duplicate impl names in {[c.impl for c in cases]}")
-    inner = {c.impl: _calls_per_sample(c.step, warmup, min_sample_s, device) for c in cases}
-    samples: dict[str, list[float]] = {c.impl: [] for c in cases}
+    keys = [c.key for c in cases]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate (impl, window) cases in {keys}")
+    inner = {c.key: _calls_per_sample(c.step, warmup, min_sample_s, device) for c in cases}
+    samples: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
     n = len(cases)
     for r in range(reps):
         for i in range(n):
             case = cases[(r + i) % n]
-            calls = inner[case.impl]
-            samples[case.impl].append(time_block(case.step, calls, device) / calls)
-    return {impl: summarize(s, inner[impl]) for impl, s in samples.items()}
+            calls = inner[case.key]
+            samples[case.key].append(time_block(case.step, calls, device) / calls)
+    return {key: summarize(s, inner[key]) for key, s in samples.items()}
 
 
 def _cpu_model() -> str:

