@@ -16,6 +16,7 @@ import gc
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -142,6 +143,19 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _git_commit() -> str | None:
+    """The commit of the ringviz checkout being measured (``+dirty`` if edited), if any."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ringviz package
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, text=True,
+                              capture_output=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "."], cwd=here,
+                               text=True, capture_output=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty.strip() else "")
+
+
 def machine_info(device: torch.device) -> dict:
     """Facts a reader needs to weigh the numbers: date, CPU, cores, threads, versions, GPU."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -156,6 +170,7 @@ def machine_info(device: torch.device) -> dict:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "numpy": np.__version__,
+        "ringviz_commit": _git_commit(),
     }
     try:
         import transformers
