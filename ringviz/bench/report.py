@@ -106,6 +106,7 @@ def plot_decode(rows: Sequence[dict], ax=None):
     import ringviz.viz as viz
 
     ax = viz.plot_latency(_as_ms(rows, "decode_step"), group="impl", ax=ax)
+    ax.set_yscale("log")
     ax.set_ylabel("ms per decode step (median)")
     ax.set_title("bench=decode_step: write + attention over W keys")
     return ax
@@ -121,7 +122,10 @@ def plot_memory(rows: Sequence[dict], ax=None):
              + [{"series": f"{r['impl']}: process RSS - baseline", "steps": r["steps"],
                  "mib": (r["rss_bytes"] - r["baseline_rss_bytes"]) / 2**20} for r in mem])
     ax = viz.plot_memory(lines, x="steps", y="mib", group="series", ax=ax)
-    for line in ax.get_lines():
+    colors: dict[str, str] = {}
+    for line in ax.get_lines():  # one color per impl: solid = cache bytes, dashed = RSS
+        impl = line.get_label().split(":")[0]
+        line.set_color(colors.setdefault(impl, line.get_color()))
         if "RSS" in line.get_label():
             line.set_linestyle("--")
     ax.legend()
