@@ -64,31 +64,44 @@ def _check_args(model: str, prompt_tokens: int, new_tokens: int, batch: int, dty
         raise ValueError(f"new_tokens must be an int >= 0, got {new_tokens!r}")
 
 
-def run_equivalence(model: str, window: int | None, prompt_tokens: int, new_tokens: int,
-                    batch: int, dtype: str) -> dict:
-    """Compare ring-cache decode with the reference; returns the JSON-ready result dict."""
-    _check_args(model, prompt_tokens, new_tokens, batch, dtype)
-    t0 = time.perf_counter()
-    lm, tokenizer = load_model(model, dtype=DTYPES[dtype])
+def compare_model(lm, tokenizer, *, window: int | None, prompt_tokens: int, new_tokens: int,
+                  batch: int, progress: bool = False) -> tuple[dict, list[torch.Tensor]]:
+    """Ring decode vs reference on a loaded model: the result dict, and per row the max
+    |dlogit| at each position ``(L_b,)`` (for plots)."""
     layer_windows(lm, window)  # raises early for SmolLM2 without a window
-    need = ROW_OFFSET * (batch - 1) + prompt_tokens + new_tokens
-    tokens = eval_tokens(tokenizer, need)
+    tokens = eval_tokens(tokenizer, ROW_OFFSET * (batch - 1) + prompt_tokens + new_tokens,
+                         device=lm.device)
     rows, lengths = ragged_rows(tokens, batch, prompt_tokens, new_tokens)
     with native_window(lm, window) as window:
         runner = RingRunner(lm, batch, window, capacity=max(len(r) for r in rows))
+        t0 = time.perf_counter()
+        ring = ring_logits(runner, rows, lengths, progress=progress)
         t1 = time.perf_counter()
-        ring = ring_logits(runner, rows, lengths, progress=True)
-        t2 = time.perf_counter()
         ref = [reference_logits(lm, r, window) for r in rows]
-        t3 = time.perf_counter()
-    return {
-        "model": model, "window": window, "dtype": dtype, "batch": batch,
-        "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "prompt_lengths": lengths,
+        t2 = time.perf_counter()
+    result = {
+        "window": window, "dtype": str(next(lm.parameters()).dtype).removeprefix("torch."),
+        "batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+        "prompt_lengths": lengths,
         "reference": ("hf_native_sliding_window_full_forward" if has_native_window(lm)
                       else "hf_full_forward_band_mask"),
         **compare(ring, ref),
         "ring_cache_bytes": runner.nbytes,
         "full_cache_bytes": full_cache_bytes(lm, batch, max(len(r) for r in rows)),
-        "seconds": {"load": round(t1 - t0, 2), "ring": round(t2 - t1, 2),
-                    "reference": round(t3 - t2, 2)},
+        "seconds": {"ring": round(t1 - t0, 2), "reference": round(t2 - t1, 2)},
     }
+    per_position = [(a - b).abs().amax(dim=-1) for a, b in zip(ring, ref, strict=True)]
+    return result, per_position
+
+
+def run_equivalence(model: str, window: int | None, prompt_tokens: int, new_tokens: int,
+                    batch: int, dtype: str) -> dict:
+    """Load ``model`` in ``dtype`` and compare ring decode with its reference (the CLI's dict)."""
+    _check_args(model, prompt_tokens, new_tokens, batch, dtype)
+    t0 = time.perf_counter()
+    lm, tokenizer = load_model(model, dtype=DTYPES[dtype])
+    load_s = time.perf_counter() - t0
+    result, _ = compare_model(lm, tokenizer, window=window, prompt_tokens=prompt_tokens,
+                              new_tokens=new_tokens, batch=batch, progress=True)
+    result["seconds"]["load"] = round(load_s, 2)
+    return {"model": model, **result}
