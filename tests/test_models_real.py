@@ -5,6 +5,7 @@ seconds. Skipped when the weight packages are not installed.
 """
 
 import importlib.util
+import json
 
 import pytest
 import torch
@@ -77,3 +78,23 @@ def test_float64_load_is_a_conversion_of_the_cached_copy(smollm2):
     model64, _ = load_model("smollm2", dtype=torch.float64)
     w32 = smollm2[0].model.embed_tokens.weight
     assert torch.equal(model64.model.embed_tokens.weight, w32.double())
+
+
+def test_cli_equivalence_prints_the_contract_keys(capsys):
+    from ringviz.cli import main
+
+    assert main(["equivalence", "--model", "smollm2", "--window", "8", "--prompt-tokens", "10",
+                 "--new-tokens", "3", "--batch", "2", "--dtype", "float64", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    keys = {"model", "window", "dtype", "batch", "prompt_tokens", "new_tokens", "reference",
+            "compared_positions", "max_abs_logit_diff", "argmax_agreement", "ring_cache_bytes",
+            "full_cache_bytes"}
+    assert keys <= set(result)
+    assert result["max_abs_logit_diff"] <= 1e-8 and result["batch"] == 2
+
+
+def test_cli_smollm2_needs_a_window(capsys):
+    from ringviz.cli import main
+
+    assert main(["equivalence", "--model", "smollm2", "--json"]) == 2
+    assert "no native sliding window" in capsys.readouterr().err
