@@ -123,14 +123,16 @@ def worker(p: dict) -> list[dict]:
 
 def _warm_up(p: dict, device: torch.device, dtype: torch.dtype, k: torch.Tensor,
              v: torch.Tensor) -> None:
-    """Run a throwaway cache past one full window and read memory once, then drop it.
+    """Run a tiny throwaway cache of the same impl past one full window, then drop it.
 
     The first call of each kernel faults in code pages and allocator arenas; doing that before
-    the baseline keeps it out of the cache's numbers.
+    the baseline keeps it out of the cache's numbers. The throwaway ring is tiny (window <= 8)
+    so that the measured cache does not simply reuse its freed memory.
     """
+    tiny = {**p, "window": min(p["window"], 8)}
     with torch.inference_mode():
-        step, cache = _make_step(p["impl"], p, device, dtype, k, v)
-        n = min(p["steps"], p["window"] + 2)
+        step, cache = _make_step(p["impl"], tiny, device, dtype, k, v)
+        n = min(p["steps"], tiny["window"] + 2)
         for _ in range(n):
             step()
         _memory_now(n, cache, 0, device)
