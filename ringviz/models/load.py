@@ -117,6 +117,7 @@ def _concatenate(parts: list[Path], target: Path) -> None:
         for part in parts:
             with part.open("rb") as f:
                 shutil.copyfileobj(f, out, 1 << 20)
+    os.chmod(out.name, 0o644)  # NamedTemporaryFile creates 0600
     os.replace(out.name, target)
 
 
@@ -154,6 +155,7 @@ def _build_float32_copy(name: str, target: Path) -> None:
     tokenizer.save_pretrained(tmp)
     meta = {"gguf_sha256": get_spec(name).sha256, "transformers": transformers.__version__}
     (tmp / "ringviz.json").write_text(json.dumps(meta, indent=1))
+    tmp.chmod(0o755)  # mkdtemp creates 0700
     try:
         os.replace(tmp, target)  # atomic: a concurrent loader sees all of it or nothing
     except OSError:  # another process won the race
