@@ -1,9 +1,12 @@
 """The batched ring KV cache (torch): fixed storage, one slot write per token, exact attention.
 
 Storage ``k``/``v`` of shape ``(B, n_kv_heads, window, head_dim)`` is allocated once and only
-ever written in place (``scatter_``), so its address never changes (CUDA-graph friendly) and its
-size never grows. Beside it, ``positions`` ``(B, window)`` records the absolute position held by
-each slot (-1 = empty); masks are computed from it, never from slot order.
+ever written in place, so its address never changes (CUDA-graph friendly) and its size never
+grows. Beside it, ``positions`` ``(B, window)`` records the absolute position held by each slot
+(-1 = empty); masks are computed from it, never from slot order. One spare slot per row sits
+just past the window (outside ``k``/``v``/``positions``, which are views): tokens that must not
+be stored (padding, or chunk tokens that a later token of the same chunk overwrites) are written
+there, so a write is a plain scatter that never reads old values back and needs no host sync.
 
 One call, :meth:`RingKVCache.step`, takes a chunk of ``T`` new tokens per row (``T = 1`` is
 decode) and returns their attention output:
@@ -51,13 +54,20 @@ class RingKVCache:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.batch_size, self.num_kv_heads = batch_size, num_kv_heads
         self.window, self.head_dim = window, head_dim
-        shape = (batch_size, num_kv_heads, window, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)  # (B, n_kv_heads, window, head_dim)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)  # (B, n_kv_heads, window, head_dim)
-        self.positions = torch.full((batch_size, window), -1, dtype=torch.int64,
-                                    device=self.k.device)  # (B, window), -1 = empty
+        # Slot W is a spare, outside the views below: padding tokens and chunk tokens that a
+        # later token of the same chunk overwrites are written there, so a write never has to
+        # read old values back and is one scatter per tensor.
+        store = (batch_size, num_kv_heads, window + 1, head_dim)
+        self._k_store = torch.zeros(store, dtype=dtype, device=device)
+        self._v_store = torch.zeros(store, dtype=dtype, device=device)
+        self._pos_store = torch.full((batch_size, window + 1), -1, dtype=torch.int64,
+                                     device=self._k_store.device)
+        self.k = self._k_store[:, :, :window]  # (B, n_kv_heads, window, head_dim)
+        self.v = self._v_store[:, :, :window]  # (B, n_kv_heads, window, head_dim)
+        self.positions = self._pos_store[:, :window]  # (B, window), -1 = empty
         # newest position per row: kept beside the ring so a decode step never scans all W slots
         self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.k.device)
+        self._rows = torch.arange(batch_size, device=self.k.device)  # row index of a decode write
 
     @property
     def dtype(self) -> torch.dtype:
@@ -69,8 +79,9 @@ class RingKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of k, v and positions: fixed at construction."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.positions))
+        """Bytes of k, v and positions storage (spare slot included): fixed at construction."""
+        stores = (self._k_store, self._v_store, self._pos_store)
+        return sum(t.numel() * t.element_size() for t in stores)
 
     @property
     def kv_seqlens(self) -> torch.Tensor:
@@ -89,9 +100,9 @@ class RingKVCache:
 
     def reset(self) -> None:
         """Empty every row (storage stays where it is)."""
-        self.k.zero_()
-        self.v.zero_()
-        self.positions.fill_(-1)
+        self._k_store.zero_()
+        self._v_store.zero_()
+        self._pos_store.fill_(-1)
         self._last_pos.fill_(-1)
 
     # ------------------------------------------------------------------ validation
@@ -120,21 +131,23 @@ class RingKVCache:
         if positions.shape != (self.batch_size, T):
             raise ValueError(
                 f"positions must be (B, T) = {(self.batch_size, T)}, got {tuple(positions.shape)}")
+        valid = positions >= 0
+        before = self._last_pos[:, None]  # (B, 1) newest position stored so far
+        if T > 1:  # ... or earlier in this chunk
+            running = torch.cummax(torch.where(valid, positions, -1), dim=1).values
+            before = torch.maximum(torch.cat([before, running[:, :-1]], dim=1), before)
+        bad = (positions < -1) | (valid & (positions <= before))  # (B, T)
+        if not bool(bad.any()):  # the only host sync of a valid call
+            return
         if bool((positions < -1).any()):
             raise ValueError("positions must be >= 0, or -1 for padding; got other negatives")
-        valid = positions >= 0
-        running = torch.cummax(torch.where(valid, positions, -1), dim=1).values
-        before = torch.cat([self._last_pos[:, None], running[:, :-1]], dim=1)
-        before = torch.maximum(before, self._last_pos[:, None])  # (B, T) newest earlier position
-        bad = valid & (positions <= before)
-        if bool(bad.any()):
-            b, t = (int(i) for i in bad.nonzero()[0])
-            pos = int(positions[b, t])
-            if pos <= int(self._last_pos[b]):
-                raise ValueError(f"row {b}: position {pos} is not after the row's cached "
-                                 f"positions (newest {int(self._last_pos[b])})")
-            raise ValueError(f"row {b}: positions must strictly increase, got {pos} after "
-                             f"{int(before[b, t])}")
+        b, t = (int(i) for i in bad.nonzero()[0])
+        pos, newest = int(positions[b, t]), int(self._last_pos[b])
+        if pos <= newest:
+            raise ValueError(f"row {b}: position {pos} is not after the row's cached "
+                             f"positions (newest {newest})")
+        raise ValueError(f"row {b}: positions must strictly increase, got {pos} after "
+                         f"{int(before.expand_as(positions)[b, t])}")
 
     def _check_q(self, q: torch.Tensor, T: int) -> None:
         """``q`` must be (B, Hq, T, head_dim) on the cache's device and dtype, Hq % Hkv == 0."""
@@ -164,54 +177,25 @@ class RingKVCache:
         if check:
             self._check_kv(k, v, positions)
         positions = positions.to(torch.int64)
-        if k.shape[2] == 1:
-            self._write_one(k, v, positions[:, 0])
-            return
         B, H, T, D = k.shape
-        W = self.window
-        newest = torch.maximum(self._last_pos, positions.max(dim=1).values)  # (B,)
-        keep = (positions >= 0) & (positions > newest[:, None] - W)  # (B, T) survives the chunk
-        slot = positions.clamp(min=0) % W  # (B, T); padding maps to slot 0 but keeps old value
-        winner = self._slot_winners(slot, keep)  # (B, T)
-        # every token scatters its slot's *final* value, so duplicate slot indices agree
-        has_new = winner >= 0
-        idx = slot[:, None, :, None].expand(B, H, T, D)
-        src = winner.clamp(min=0)[:, None, :, None].expand(B, H, T, D)
-        take = has_new[:, None, :, None]
-        self.k.scatter_(2, idx, torch.where(take, k.gather(2, src), self.k.gather(2, idx)))
-        self.v.scatter_(2, idx, torch.where(take, v.gather(2, src), self.v.gather(2, idx)))
-        new_pos = torch.where(has_new, positions.gather(1, winner.clamp(min=0)),
-                              self.positions.gather(1, slot))
-        self.positions.scatter_(1, slot, new_pos)
+        if T == 1:  # decode: a real token is always the row's newest, so it is always kept
+            newest = torch.maximum(self._last_pos, positions[:, 0])  # (B,)
+            keep = positions >= 0
+        else:
+            newest = torch.maximum(self._last_pos, positions.max(dim=1).values)  # (B,)
+            keep = (positions >= 0) & (positions > newest[:, None] - self.window)  # (B, T)
+        # kept tokens of a row span < W positions, so their slots are distinct; the rest share
+        # the spare slot W, whose contents are never read
+        slot = torch.where(keep, positions % self.window, self.window)  # (B, T)
+        if T == 1:  # index_put: about half the cost of scatter_ for one token per row
+            self._k_store[self._rows, :, slot[:, 0]] = k[:, :, 0]  # (B, n_kv_heads, head_dim)
+            self._v_store[self._rows, :, slot[:, 0]] = v[:, :, 0]
+            self._pos_store[self._rows, slot[:, 0]] = positions[:, 0]
+        else:
+            self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), k)
+            self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), v)
+            self._pos_store.scatter_(1, slot, positions)
         self._last_pos.copy_(newest)
-
-    def _write_one(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Decode write: token ``pos`` (B,) into slot ``pos % W``. O(1) in the window size."""
-        rows = torch.arange(self.batch_size, device=self.device)
-        slot = pos.clamp(min=0) % self.window  # (B,)
-        keep = pos >= 0  # a padding row rewrites its slot's old value: no slot taken
-        for store, new in ((self.k, k), (self.v, v)):
-            store[rows, :, slot] = torch.where(keep[:, None, None], new[:, :, 0],
-                                               store[rows, :, slot])  # (B, n_kv_heads, head_dim)
-        self.positions[rows, slot] = torch.where(keep, pos, self.positions[rows, slot])
-        torch.maximum(self._last_pos, pos, out=self._last_pos)
-
-    def _slot_winners(self, slot: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """``(B, T)``: index in the chunk of the token that ends up in each token's slot, or -1.
-
-        Kept tokens of a row span fewer than W positions, so they have distinct slots; dropped
-        tokens are routed to a spare column W that is thrown away.
-
-        >>> cache = RingKVCache(1, 1, window=3, head_dim=2)
-        >>> pos = torch.tensor([[0, 1, 2, 3, 4]])           # 5 tokens, 3 slots: 2, 3, 4 survive
-        >>> cache._slot_winners(pos % 3, pos > 4 - 3)        # pos 0 -> slot 0 -> token 3 (pos 3)
-        tensor([[3, 4, 2, 3, 4]])
-        """
-        B, T = slot.shape
-        target = torch.where(keep, slot, self.window)
-        owner = torch.full((B, self.window + 1), -1, dtype=torch.int64, device=slot.device)
-        owner.scatter_(1, target, torch.arange(T, device=slot.device).expand(B, T))
-        return owner[:, : self.window].gather(1, slot)
 
     def attend(self, q: torch.Tensor, q_positions: torch.Tensor, *,
                scale: float | None = None) -> torch.Tensor:

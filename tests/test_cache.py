@@ -126,7 +126,7 @@ def test_storage_never_reallocated_and_memory_flat(device):
     for t in range(3 * W + 1, 100_000 + 3 * W + 1):  # 100k decode steps, cache write only
         cache.write(one, one, torch.full((B, 1), t, device=device), check=False)
     assert (cache.k.data_ptr(), cache.v.data_ptr(), cache.positions.data_ptr()) == ptrs
-    assert cache.nbytes == nbytes == 2 * B * H * W * D * 4 + B * W * 8
+    assert cache.nbytes == nbytes == 2 * B * H * (W + 1) * D * 4 + B * (W + 1) * 8  # + spare slot
     assert cache.positions.sort(dim=1).values.tolist() == [list(range(100_017, 100_025))] * B
 
 
