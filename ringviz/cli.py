@@ -135,6 +135,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, default=str))
     elif args.command != "demo":
-        for key, value in result.items():
-            print(f"{key}: {value}")
+        print_human(result)
     return 0
+
+
+TABLE_COLUMNS = ("bench", "impl", "window", "sinks", "batch", "median_us", "p10_us", "p90_us",
+                 "steps", "cache_bytes", "peak_rss_bytes", "tokens_per_s", "perplexity")
+
+
+def _fmt(value: object) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def print_human(result: dict) -> None:
+    """Readable form of a result: scalars as lines, dicts indented, lists of rows as a table."""
+    for key, value in result.items():
+        if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
+            cols = [c for c in TABLE_COLUMNS if any(c in r for r in value)]
+            cols = cols or list(value[0])
+            cells = [[_fmt(r.get(c, "")) for c in cols] for r in value]
+            widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+            print(f"{key}:")
+            for row in [list(cols), *cells]:
+                print("  " + "  ".join(x.rjust(w) for x, w in zip(row, widths)))
+        elif isinstance(value, dict):
+            print(f"{key}:")
+            for sub, item in value.items():
+                print(f"  {sub}: {_fmt(item)}")
+        else:
+            print(f"{key}: {_fmt(value)}")

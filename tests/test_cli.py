@@ -36,3 +36,16 @@ def test_bad_arguments_exit_with_usage_error(argv):
     with pytest.raises(SystemExit) as err:
         build_parser().parse_args(argv)
     assert err.value.code == 2
+
+
+def test_human_output_tabulates_rows(capsys):
+    from ringviz.cli import print_human
+
+    print_human({"device": "cpu", "rows": [{"bench": "update", "impl": "ring", "window": 256,
+                                            "median_us": 12.3456}],
+                 "figures": {"ratio": 1041.234}})
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "device: cpu"
+    assert lines[2].split() == ["bench", "impl", "window", "median_us"]
+    assert lines[3].split() == ["update", "ring", "256", "12.35"]
+    assert lines[-1] == "  ratio: 1041"
