@@ -97,8 +97,13 @@ class RingRunner:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention for one layer: write into its ring and attend (bugs.py overrides this)."""
-        return self.caches[layer].step(q, k, v, positions, scale=scale)
+        """Attention for one layer: write into its ring and attend (bugs.py overrides this).
+
+        Every layer of one forward gets the same positions and shapes, and all rings advance
+        together, so validating at layer 0 (before anything is written) covers them all and
+        spares the other layers the host sync.
+        """
+        return self.caches[layer].step(q, k, v, positions, scale=scale, check=layer == 0)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
