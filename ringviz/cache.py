@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ringviz.checks import check_int
 from ringviz.masks import band_mask
 
 
@@ -46,10 +47,7 @@ class RingKVCache:
                  device: torch.device | str | None = None) -> None:
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                             ("window", window), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+            check_int(name, value)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.batch_size, self.num_kv_heads = batch_size, num_kv_heads

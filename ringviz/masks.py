@@ -21,19 +21,14 @@ from typing import TypeVar
 import numpy as np
 import torch
 
+from ringviz.checks import check_int
+
 Array = TypeVar("Array", np.ndarray, torch.Tensor)
-
-
-def _check_window(window: int) -> None:
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)):
-        raise TypeError(f"window must be an int, got {type(window).__name__}")
-    if window <= 0:
-        raise ValueError(f"window must be positive, got {window}")
 
 
 def visible(q_pos: Array, k_pos: Array, window: int) -> Array:
     """Elementwise rule: key at ``k_pos`` is visible to a query at ``q_pos``."""
-    _check_window(window)
+    check_int("window", window)
     return (k_pos >= 0) & (q_pos >= 0) & (k_pos <= q_pos) & (k_pos > q_pos - window)
 
 

@@ -14,16 +14,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ringviz.checks import check_int
+
 DTYPE_BYTES = (1, 2, 4, 8)  # int8/fp8, fp16/bf16, fp32, fp64
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    """Return ``value`` if it is an int >= minimum, else raise naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -39,16 +32,16 @@ class KVConfig:
     sliding_layers: tuple[int, ...] = ()  # indices of the layers that use the window
 
     def __post_init__(self) -> None:
-        _check_int("n_layers", self.n_layers, 1)
-        _check_int("n_kv_heads", self.n_kv_heads, 1)
-        _check_int("head_dim", self.head_dim, 1)
+        check_int("n_layers", self.n_layers, 1)
+        check_int("n_kv_heads", self.n_kv_heads, 1)
+        check_int("head_dim", self.head_dim, 1)
         if self.dtype_bytes not in DTYPE_BYTES or isinstance(self.dtype_bytes, bool):
             raise ValueError(f"dtype_bytes must be one of {DTYPE_BYTES}, got {self.dtype_bytes!r}")
         if self.window is None:
             if self.sliding_layers:
                 raise ValueError("sliding_layers given without a window")
             return
-        _check_int("window", self.window, 1)
+        check_int("window", self.window, 1)
         if not self.sliding_layers:
             raise ValueError("a window needs at least one sliding layer")
         layers = self.sliding_layers
@@ -79,7 +72,7 @@ class KVConfig:
 
     def all_sliding(self, window: int) -> KVConfig:
         """The same shape with every layer made a sliding layer of ``window`` (a what-if)."""
-        _check_int("window", window, 1)
+        check_int("window", window, 1)
         return dataclasses.replace(
             self,
             name=f"{self.name}, all layers W={window}",
@@ -118,8 +111,8 @@ MODELS: dict[str, KVConfig] = {
 
 def full_cache_bytes(cfg: KVConfig, seq_len: int, *, batch_size: int = 1) -> int:
     """Bytes of a growing cache holding ``seq_len`` tokens in every layer."""
-    _check_int("seq_len", seq_len, 0)
-    _check_int("batch_size", batch_size, 1)
+    check_int("seq_len", seq_len, 0)
+    check_int("batch_size", batch_size, 1)
     return batch_size * seq_len * cfg.token_bytes
 
 
@@ -133,8 +126,8 @@ def ring_cache_bytes(cfg: KVConfig, seq_len: int, *, batch_size: int = 1) -> int
     >>> ring_cache_bytes(gemma, 10_000) == (15 * 512 + 3 * 10_000) * gemma.token_bytes_per_layer
     True
     """
-    _check_int("seq_len", seq_len, 0)
-    _check_int("batch_size", batch_size, 1)
+    check_int("seq_len", seq_len, 0)
+    check_int("batch_size", batch_size, 1)
     window = cfg.window or 0
     tokens = cfg.n_sliding * window + cfg.n_full * seq_len  # summed over layers
     return batch_size * tokens * cfg.token_bytes_per_layer

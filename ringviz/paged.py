@@ -13,22 +13,15 @@ from __future__ import annotations
 
 from collections import deque
 
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    """Return ``value`` if it is an int >= minimum, else raise naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+from ringviz.checks import check_int
 
 
 class BlockPool:
     """A fixed pool of ``num_blocks`` blocks of ``block_size`` token slots, shared by sequences."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
-        _check_int("num_blocks", num_blocks, 1)
-        self.block_size = _check_int("block_size", block_size, 1)
+        check_int("num_blocks", num_blocks, 1)
+        self.block_size = check_int("block_size", block_size, 1)
         self.num_blocks = num_blocks
         self._free: deque[int] = deque(range(num_blocks))  # FIFO reuse, like vLLM's free queue
         self._used: set[int] = set()
@@ -78,7 +71,7 @@ class PagedSequence:
         if not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a BlockPool, got {type(pool).__name__}")
         self.pool = pool
-        self.window = None if window is None else _check_int("window", window, 1)
+        self.window = None if window is None else check_int("window", window, 1)
         self.num_tokens = 0  # positions 0 .. num_tokens-1 have been written
         self.block_table: list[int | None] = []  # logical block -> physical block (None: freed)
 
@@ -94,7 +87,7 @@ class PagedSequence:
     def append(self, n_tokens: int = 1) -> None:
         """Write ``n_tokens`` new positions: first free blocks the next query cannot see, then
         allocate blocks for the new positions. On pool exhaustion nothing is changed."""
-        _check_int("n_tokens", n_tokens, 1)
+        check_int("n_tokens", n_tokens, 1)
         needed = -(-(self.num_tokens + n_tokens) // self.pool.block_size) - len(self.block_table)
         freeable = self._skipped_blocks(self.num_tokens)
         if needed > self.pool.num_free + len(freeable):
@@ -109,7 +102,7 @@ class PagedSequence:
 
     def locate(self, pos: int) -> tuple[int, int]:
         """``(physical block, offset)`` of a written position that is still held."""
-        _check_int("pos", pos, 0)
+        check_int("pos", pos, 0)
         if pos >= self.num_tokens:
             raise ValueError(f"pos {pos} not written yet (num_tokens={self.num_tokens})")
         block = self.block_table[pos // self.pool.block_size]

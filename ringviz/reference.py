@@ -15,15 +15,8 @@ import math
 
 import torch
 
+from ringviz.checks import check_int
 from ringviz.masks import band_mask
-
-
-def _check_dims(**dims: int) -> None:
-    for name, value in dims.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
 
 
 class _KVBuffer:
@@ -57,7 +50,9 @@ class GrowingKVCache(_KVBuffer):
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
-        _check_dims(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            check_int(name, value)
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
         empty = torch.empty(batch_size, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
         self.k, self.v = empty, empty.clone()  # (B, n_kv_heads, n, head_dim)
@@ -84,8 +79,9 @@ class ShiftWindowKVCache(_KVBuffer):
     def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
                  mode: str = "cat", dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
-        _check_dims(batch_size=batch_size, num_kv_heads=num_kv_heads, window=window,
-                    head_dim=head_dim)
+        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
+                            ("window", window), ("head_dim", head_dim)):
+            check_int(name, value)
         if mode not in ("cat", "roll"):
             raise ValueError(f"mode must be 'cat' or 'roll', got {mode!r}")
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim

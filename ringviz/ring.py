@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ringviz.checks import check_int
 from ringviz.masks import decode_mask
 
 
@@ -28,13 +29,8 @@ class RingKV:
     """A fixed-capacity ring of (k, v) vectors for one sequence, indexed by ``pos % window``."""
 
     def __init__(self, window: int, head_dim: int, dtype: np.dtype | type = np.float32) -> None:
-        for name, value in (("window", window), ("head_dim", head_dim)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
-        self.window = int(window)
-        self.head_dim = int(head_dim)
+        self.window = check_int("window", window)
+        self.head_dim = check_int("head_dim", head_dim)
         self.k = np.zeros((self.window, self.head_dim), dtype=dtype)  # (window, head_dim)
         self.v = np.zeros((self.window, self.head_dim), dtype=dtype)  # (window, head_dim)
         self.positions = np.full(self.window, -1, dtype=np.int64)  # (window,) -1 = empty
@@ -46,13 +42,10 @@ class RingKV:
         if k.shape != (self.head_dim,) or v.shape != (self.head_dim,):
             raise ValueError(
                 f"k and v must have shape ({self.head_dim},), got {k.shape} and {v.shape}")
-        if isinstance(pos, bool) or not isinstance(pos, (int, np.integer)):
-            raise TypeError(f"pos must be an int, got {type(pos).__name__}")
-        if pos < 0:
-            raise ValueError(f"pos must be >= 0, got {pos}")
+        pos = check_int("pos", pos, minimum=0)
         if pos <= self.last_pos:
             raise ValueError(f"positions must strictly increase: got {pos} after {self.last_pos}")
-        slot = int(pos) % self.window
+        slot = pos % self.window
         evicted = int(self.positions[slot])
         self.k[slot] = k
         self.v[slot] = v

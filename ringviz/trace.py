@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from ringviz.cache import RingKVCache
+from ringviz.checks import check_int
 from ringviz.masks import band_mask, decode_mask
 from ringviz.reference import ShiftWindowKVCache
 from ringviz.ring import RingKV
@@ -51,23 +52,23 @@ class Scenario:
     def __post_init__(self) -> None:
         if self.batch_lengths is not None:
             object.__setattr__(self, "batch_lengths", tuple(self.batch_lengths))
-        _check_int("window", self.window, 1)
-        _check_int("prompt", self.prompt, 1)
-        _check_int("decode_steps", self.decode_steps, 0)
-        _check_int("head_dim", self.head_dim, 2)
+        check_int("window", self.window, 1)
+        check_int("prompt", self.prompt, 1)
+        check_int("decode_steps", self.decode_steps, 0)
+        check_int("head_dim", self.head_dim, 2)
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even, got {self.head_dim}")
-        _check_int("rope_pair", self.rope_pair, 0)
+        check_int("rope_pair", self.rope_pair, 0)
         if self.rope_pair >= self.head_dim // 2:
             raise ValueError(f"rope_pair must be < head_dim // 2 = {self.head_dim // 2}, "
                              f"got {self.rope_pair}")
         if self.chunk is not None:
-            _check_int("chunk", self.chunk, 1)
+            check_int("chunk", self.chunk, 1)
         if self.batch_lengths is not None:
             if not self.batch_lengths:
                 raise ValueError("batch_lengths must name at least one row")
             for i, n in enumerate(self.batch_lengths):
-                _check_int(f"batch_lengths[{i}]", n, 1)
+                check_int(f"batch_lengths[{i}]", n, 1)
         if max(self.lengths) + self.decode_steps > MAX_TOKENS:
             raise ValueError(f"a trace holds at most {MAX_TOKENS} tokens per row, got "
                              f"{max(self.lengths)} + {self.decode_steps} decode steps")
@@ -121,13 +122,6 @@ class Trace:
     def from_dict(cls, data: dict) -> Trace:
         frames = [Frame(**f) for f in data["frames"]]
         return cls(**{**data, "frames": frames})
-
-
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
 def spans(values: list[int]) -> str:
@@ -270,7 +264,7 @@ def trace_scenario(scenario: Scenario, *, device: torch.device | str | None = No
 
 def trace_ring(window: int, tokens: int, *, head_dim: int = 8, theta: float = 10000.0) -> Trace:
     """Push ``tokens`` tokens one by one into the teaching :class:`RingKV` and record each state."""
-    _check_int("tokens", tokens, 1)
+    check_int("tokens", tokens, 1)
     scenario = Scenario(window=window, prompt=tokens, decode_steps=0, head_dim=head_dim,
                         theta=theta)
     rng = np.random.default_rng(42)
@@ -293,8 +287,8 @@ def trace_shift(window: int, tokens: int, *, mode: str = "cat",
     Each key carries ``pos + 1`` in every component, so the window's contents are read back from
     the real buffer (0 = nothing there yet).
     """
-    _check_int("window", window, 1)
-    _check_int("tokens", tokens, 1)
+    check_int("window", window, 1)
+    check_int("tokens", tokens, 1)
     if tokens > MAX_TOKENS:
         raise ValueError(f"a trace holds at most {MAX_TOKENS} tokens, got {tokens}")
     cache = ShiftWindowKVCache(1, 1, window, 1, mode=mode, device=device)

@@ -72,7 +72,7 @@ def test_reference_equals_per_query_loop():
 def test_bad_inputs():
     with pytest.raises(ValueError, match="mode"):
         ShiftWindowKVCache(1, 1, 4, 2, mode="ring")
-    with pytest.raises(ValueError, match="window must be positive"):
+    with pytest.raises(ValueError, match="window must be >= 1"):
         ShiftWindowKVCache(1, 1, 0, 2)
     cache = GrowingKVCache(1, 2, 4)
     with pytest.raises(ValueError, match="n_kv_heads"):
