@@ -90,26 +90,26 @@ def _as_ms(rows: Sequence[dict], bench: str) -> list[dict]:
     return [{**r, "ms_per_token": r["median_us"] / 1e3} for r in rows if r["bench"] == bench]
 
 
-def plot_update(rows: Sequence[dict], ax=None):
-    """Latency of one cache write vs W, log-log, one line per impl."""
+def _plot_bench_latency(rows: Sequence[dict], bench: str, ylabel: str, title: str, ax=None):
     import ringviz.viz as viz
 
-    ax = viz.plot_latency(_as_ms(rows, "update"), group="impl", ax=ax)
+    ax = viz.plot_latency(_as_ms(rows, bench), group="impl", ax=ax)
     ax.set_yscale("log")
-    ax.set_ylabel("ms per cache write (median)")
-    ax.set_title("bench=update: one token into a full window")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     return ax
+
+
+def plot_update(rows: Sequence[dict], ax=None):
+    """Latency of one cache write vs W, log-log, one line per impl."""
+    return _plot_bench_latency(rows, "update", "ms per cache write (median)",
+                               "bench=update: one token into a full window", ax)
 
 
 def plot_decode(rows: Sequence[dict], ax=None):
     """Latency of write + one query's attention vs W, one line per impl."""
-    import ringviz.viz as viz
-
-    ax = viz.plot_latency(_as_ms(rows, "decode_step"), group="impl", ax=ax)
-    ax.set_yscale("log")
-    ax.set_ylabel("ms per decode step (median)")
-    ax.set_title("bench=decode_step: write + attention over W keys")
-    return ax
+    return _plot_bench_latency(rows, "decode_step", "ms per decode step (median)",
+                               "bench=decode_step: write + attention over W keys", ax)
 
 
 def plot_memory(rows: Sequence[dict], ax=None):
