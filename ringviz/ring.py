@@ -80,10 +80,8 @@ class RingKV:
         The result is a gathered *copy*: attention does not need it (softmax-weighted sums do not
         care about order), which is why the torch cache never calls anything like it.
         """
-        mask = self.visible(current_pos)
-        order = np.argsort(np.where(mask, self.positions, -1), kind="stable")[-int(mask.sum()):]
-        if not mask.any():
-            order = order[:0]
+        slots = np.flatnonzero(self.visible(current_pos))
+        order = slots[np.argsort(self.positions[slots])]  # oldest first
         return self.k[order], self.v[order], self.positions[order]
 
     @property
