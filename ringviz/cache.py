@@ -218,8 +218,10 @@ class RingKVCache:
             self.write(k, v, positions, check=False)
             mask = band_mask(positions, self.positions, self.window)  # (B, 1, W)
             return masked_attention(q, self.k, self.v, mask, scale=scale)
-        keys = torch.cat([self.k, k], dim=2)  # (B, n_kv_heads, W + T, head_dim)
-        values = torch.cat([self.v, v], dim=2)
+        # padding keys are masked out, but 0 * NaN is NaN: zero them so garbage cannot leak
+        pad = (positions < 0)[:, None, :, None]  # (B, 1, T, 1)
+        keys = torch.cat([self.k, k.masked_fill(pad, 0.0)], dim=2)  # (B, n_kv_heads, W+T, D)
+        values = torch.cat([self.v, v.masked_fill(pad, 0.0)], dim=2)
         mask = band_mask(positions, torch.cat([self.positions, positions], dim=1), self.window)
         out = masked_attention(q, keys, values, mask, scale=scale)
         self.write(k, v, positions, check=False)

@@ -146,6 +146,16 @@ def test_padding_takes_no_slot_and_all_padding_row_gives_zeros(device):
     assert cache.positions[1].tolist() == [-1] * 4
 
 
+def test_garbage_in_padding_never_reaches_real_queries(device):
+    q, k, v, pos = make_inputs(2, 2, 2, 9, 4, device, pad=[(3, 0), (0, 2)])
+    pad = (pos < 0)[:, None, :, None]
+    out = RingKVCache(2, 2, 4, 4, dtype=torch.float64, device=device).step(
+        q.masked_fill(pad, float("nan")), k.masked_fill(pad, float("nan")),
+        v.masked_fill(pad, float("inf")), pos)
+    ref = windowed_attention_reference(q, k, v, pos, 4)
+    assert torch.isfinite(out).all() and (out - ref).abs().max() < 1e-12
+
+
 def test_rows_never_see_each_other(device):
     q, k, v, pos = make_inputs(2, 2, 2, 12, 4, device)
     a = run_chunks(RingKVCache(2, 2, 5, 4, dtype=torch.float64, device=device),

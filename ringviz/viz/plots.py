@@ -43,7 +43,7 @@ def draw_decode_mask(query_pos: int, positions: Sequence[int], window: int, *,
     for side in ("left", "top", "right"):
         ax.spines[side].set_visible(False)
     ax.set_title(f"decode mask for the query at position {query_pos}, W={window}: "
-                 f"sees {query_pos - window + 1}..{query_pos}", loc="left", fontsize=10)
+                 f"sees {max(0, query_pos - window + 1)}..{query_pos}", loc="left", fontsize=10)
     _state_legend(ax, [s for s in SLOT_STATES if s in states], loc="upper center",
                   bbox_to_anchor=(0.5, -0.55), ncol=4)
     return ax
