@@ -58,7 +58,8 @@ def book(tmp_path_factory) -> pathlib.Path:
     if OFFLINE_EXT not in extensions:  # test_book_config_keeps_pages_offline reports it
         extensions.append(OFFLINE_EXT)
     sphinx = config["sphinx"]["config"]
-    sphinx["html_extra_path"] = [str(ROOT / p) for p in sphinx["html_extra_path"]]
+    for key in ("html_extra_path", "html_static_path"):  # the repo's paths, from the tmp root
+        sphinx[key] = [str(ROOT / p) for p in sphinx.get(key, [])]
     config["execute"] = {**config.get("execute", {}), "execute_notebooks": "force"}
     (src / "_config.yml").write_text(yaml.safe_dump(config, sort_keys=False))  # script order
     (src / "_toc.yml").write_text("format: jb-book\nroot: stepper\n")
