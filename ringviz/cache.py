@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ringviz.checks import check_int
+from ringviz.checks import check_int, check_kv, check_tensor
 from ringviz.masks import band_mask
 
 
@@ -106,22 +106,9 @@ class RingKVCache:
     # ------------------------------------------------------------------ validation
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Raise on any malformed input, before anything is written."""
-        for name, t in (("k", k), ("v", v), ("positions", positions)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}, the cache on {self.device}")
-        for name, t in (("k", k), ("v", v)):
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype}, the cache holds {self.dtype}")
-            if t.ndim != 4 or t.shape[0] != self.batch_size or t.shape[1] != self.num_kv_heads \
-                    or t.shape[3] != self.head_dim or t.shape[2] == 0:
-                raise ValueError(
-                    f"{name} must be (B={self.batch_size}, n_kv_heads={self.num_kv_heads}, T>=1, "
-                    f"head_dim={self.head_dim}), got {tuple(t.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-        self._check_positions(positions, k.shape[2])
+        check_kv(k, v, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
+                 head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+        self._check_positions(check_tensor("positions", positions, self.device), k.shape[2])
 
     def _check_positions(self, positions: torch.Tensor, T: int) -> None:
         if positions.dtype not in (torch.int64, torch.int32):
@@ -149,10 +136,7 @@ class RingKVCache:
 
     def _check_q(self, q: torch.Tensor, T: int) -> None:
         """``q`` must be (B, Hq, T, head_dim) on the cache's device and dtype, Hq % Hkv == 0."""
-        if not isinstance(q, torch.Tensor):
-            raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
-        if q.device != self.device:
-            raise ValueError(f"q is on {q.device}, the cache on {self.device}")
+        check_tensor("q", q, self.device)
         if q.dtype != self.dtype:
             raise TypeError(f"q has dtype {q.dtype}, the cache holds {self.dtype}")
         if q.ndim != 4 or q.shape[0] != self.batch_size or q.shape[2] != T \

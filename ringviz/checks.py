@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 
 def check_int(name: str, value: object, minimum: int = 1) -> int:
@@ -19,3 +20,34 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def check_tensor(name: str, value: object, device: torch.device) -> torch.Tensor:
+    """Return ``value`` if it is a tensor on ``device``; raise otherwise, naming it."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device}, the cache on {device}")
+    return value
+
+
+def check_kv(k: object, v: object, *, batch_size: int, num_kv_heads: int, head_dim: int,
+             dtype: torch.dtype, device: torch.device) -> None:
+    """New keys and values for a cache: one shape ``(B, n_kv_heads, T>=1, head_dim)``, its dtype.
+
+    >>> x = torch.zeros(1, 2, 3, 4)
+    >>> check_kv(x, x[:, :1], batch_size=1, num_kv_heads=2, head_dim=4, dtype=x.dtype,
+    ...          device=x.device)
+    Traceback (most recent call last):
+    ValueError: v must be (B=1, n_kv_heads=2, T>=1, head_dim=4), got (1, 1, 3, 4)
+    """
+    for name, t in (("k", k), ("v", v)):
+        check_tensor(name, t, device)
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, the cache holds {dtype}")
+        if t.ndim != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (batch_size, num_kv_heads,
+                                                                     head_dim) or t.shape[2] == 0:
+            raise ValueError(f"{name} must be (B={batch_size}, n_kv_heads={num_kv_heads}, T>=1, "
+                             f"head_dim={head_dim}), got {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")

@@ -15,12 +15,12 @@ import math
 
 import torch
 
-from ringviz.checks import check_int
+from ringviz.checks import check_int, check_kv
 from ringviz.masks import band_mask
 
 
 class _KVBuffer:
-    """Shared shape/dtype checks for the baselines' ``update(k, v)``."""
+    """What the baselines share: their ``update(k, v)`` input checks."""
 
     batch_size: int
     num_kv_heads: int
@@ -29,19 +29,8 @@ class _KVBuffer:
     device: torch.device
 
     def _check(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        want = (self.batch_size, self.num_kv_heads, self.head_dim)
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dtype != self.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype}, the cache holds {self.dtype}")
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device}, the cache on {self.device}")
-            if t.ndim != 4 or (t.shape[0], t.shape[1], t.shape[3]) != want or t.shape[2] == 0:
-                raise ValueError(f"{name} must be (B, n_kv_heads, T>=1, head_dim) with "
-                                 f"(B, n_kv_heads, head_dim) = {want}, got {tuple(t.shape)}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+        check_kv(k, v, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
+                 head_dim=self.head_dim, dtype=self.dtype, device=self.device)
 
 
 class GrowingKVCache(_KVBuffer):
