@@ -57,6 +57,20 @@ def test_llama_ring_matches_band_mask(device, prompt):
     assert runner.caches[0].positions.max() == len(ids) - 1  # the ring holds the last W
 
 
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma])
+def test_cheap_switch_equals_full_switch_and_restores(device, make):
+    model = make(device)
+    ids = tokens(20, device)
+    fast = RingRunner(model, 1, 6, capacity=len(ids))
+    slow = RingRunner(model, 1, 6, capacity=len(ids))
+    slow.one_config = False  # transformers' set_attn_implementation on every forward
+    assert fast.one_config  # causal LMs whose modules all read model.config
+    assert torch.equal(ring_logits(fast, [ids], [9])[0], ring_logits(slow, [ids], [9])[0])
+    assert model.config._attn_implementation == "sdpa"
+    assert all(m.config._attn_implementation == "sdpa" for m in model.modules()
+               if hasattr(m, "config"))
+
+
 def test_gemma_ring_matches_hf_native_sliding_window(device):
     model = tiny_gemma(device, window=6)
     ids = tokens(30, device)

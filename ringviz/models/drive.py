@@ -44,14 +44,34 @@ def _register() -> None:
 
 
 @contextmanager
-def attention_implementation(model, name: str) -> Iterator[None]:
-    """Switch the model's attention implementation for a block, then restore it."""
+def attention_implementation(model, name: str, *, one_config: bool = False) -> Iterator[None]:
+    """Switch the model's attention implementation for a block, then restore it.
+
+    ``set_attn_implementation`` validates the name and walks every module: 0.42 ms a call on
+    Gemma 3 (measured, CPU), twice per ring forward. With ``one_config=True`` (every module
+    reads ``model.config`` itself, see :func:`shares_one_config`; the name validated once
+    already) the switch is the one config attribute ``set_attn_implementation`` itself sets.
+    """
     before = model.config._attn_implementation
-    model.set_attn_implementation(name)
+
+    def switch(impl: str) -> None:
+        if one_config:
+            model.config._attn_implementation_internal = impl
+        else:
+            model.set_attn_implementation(impl)
+
+    switch(name)
     try:
         yield
     finally:
-        model.set_attn_implementation(before)
+        switch(before)
+
+
+def shares_one_config(model) -> bool:
+    """True when every module reads ``model.config`` itself and it has no sub-configs."""
+    config = model.config
+    return not config.sub_configs and all(
+        getattr(module, "config", config) is config for module in model.modules())
 
 
 def layer_windows(model, window: int | None) -> list[int | None]:
@@ -80,6 +100,9 @@ class RingRunner:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         _register()
+        with attention_implementation(model, ATTN_NAME):  # validates the name once
+            pass
+        self.one_config = shares_one_config(model)  # then every forward switches cheaply
         config = model.config
         self.model = model
         self.windows = layer_windows(model, window)
@@ -111,7 +134,7 @@ class RingRunner:
         if input_ids.shape != positions.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions "
                              f"{tuple(positions.shape)} differ")
-        with attention_implementation(self.model, ATTN_NAME):
+        with attention_implementation(self.model, ATTN_NAME, one_config=self.one_config):
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                              ring_runner=self)
         return out.logits
