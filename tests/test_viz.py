@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -189,9 +190,14 @@ def test_vendored_js_matches_pinned_checksums():
     assert versions["requirejs"]["version"].startswith("2.3.")
     assert versions["@jupyter-widgets/html-manager"]["version"].startswith("1.0.")
     assert versions["anywidget"]["version"] == vendor.ANYWIDGET[0]
-    for name in ("requirejs", "html-manager", "anywidget"):
+    for name in ("requirejs", "html-manager", "anywidget", "fontawesome-free"):
         assert (vendor.TARGET / "LICENSES" / f"{name}.txt").read_text().strip()
-    assert "anywidget/index" in (vendor.TARGET / "ringviz-widgets.js").read_text()
+    loader = (vendor.TARGET / "ringviz-widgets.js").read_text()
+    assert "anywidget/index" in loader and 'here + "html-manager"' in loader
+    # every font file the bundle's CSS names sits where the assets path points
+    bundle = (vendor.TARGET / "embed-amd.js").read_text()
+    for woff2 in set(re.findall(r'\.p\+"([0-9a-f]{20}\.woff2)"', bundle)):
+        assert (vendor.TARGET / "html-manager" / woff2).is_file(), woff2
 
 
 class _Script:

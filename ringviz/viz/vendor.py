@@ -37,6 +37,24 @@ NPM = {
         "package/dist/embed.js.LICENSE.txt": (
             "LICENSES/html-manager-bundled.txt",
             "aed2008aae8123157c4ae564883166b1af7bab928d504a1fa7de1f67aec11268"),
+        # the bundle's Font Awesome 5 CSS asks for these (solid, regular, brands) beside its
+        # module's URL, which ringviz-widgets.js maps to html-manager/; byte-identical to
+        # fontawesome-free 5.15.4's webfonts/fa-*.woff2. Browsers without woff2 get no icons.
+        "package/dist/1551f4f60c37af51121f.woff2": (
+            "html-manager/1551f4f60c37af51121f.woff2",
+            "9834b82ad26e2a37583d22676a12dd2eb0fe7c80356a2114d0db1aa8b3899537"),
+        "package/dist/7a3337626410ca2f4071.woff2": (
+            "html-manager/7a3337626410ca2f4071.woff2",
+            "e42a88444448ac3d60549cc7c1ff2c8a9cac721034c073d80a14a44e79730cca"),
+        "package/dist/d878b0a6a1144760244f.woff2": (
+            "html-manager/d878b0a6a1144760244f.woff2",
+            "8ea8791754915a898a3100e63e32978a6d1763be6df8e73a39d3a90d691cdeef"),
+    }),
+    # only for its license: fonts SIL OFL 1.1 (the files above are its webfonts)
+    "@fortawesome/fontawesome-free": ("5.15.4", "OFL-1.1 (fonts)", {
+        "package/LICENSE.txt": (
+            "LICENSES/fontawesome-free.txt",
+            "e779748dfe75e84f974df3c7bc07f842011a100159158b0f1f49b2f2a5a515cb"),
     }),
 }
 ANYWIDGET = ("0.11.0", "MIT", "anywidget/index.js",
