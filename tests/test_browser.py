@@ -117,8 +117,8 @@ def test_page_is_offline_and_error_free(page):
     page.wait_for_timeout(500)
     assert page.log["external"] == [], page.log["external"]
     assert page.log["errors"] == [], page.log["errors"]
-    # html-manager's bundled Font Awesome 5 asks for its fonts under the assets path that
-    # ringviz-widgets.js sets; served by the book, so nothing may fail, fonts included
+    # html-manager's bundled Font Awesome 5 asks for its fonts beside its module, a folder
+    # ringviz-widgets.js maps to the served html-manager/; nothing may fail, fonts included
     assert page.log["failed"] == [], page.log["failed"]
     bundled_fonts = [u for u in page.log["requests"] if re.search(r"/[0-9a-f]{20}\.woff2$", u)]
     assert all("/ringviz-widgets/html-manager/" in u for u in bundled_fonts), bundled_fonts

@@ -194,7 +194,7 @@ def test_vendored_js_matches_pinned_checksums():
         assert (vendor.TARGET / "LICENSES" / f"{name}.txt").read_text().strip()
     loader = (vendor.TARGET / "ringviz-widgets.js").read_text()
     assert "anywidget/index" in loader and 'here + "html-manager"' in loader
-    # every font file the bundle's CSS names sits where the assets path points
+    # every font file the bundle's CSS names is served in the folder the loader maps it to
     bundle = (vendor.TARGET / "embed-amd.js").read_text()
     for woff2 in set(re.findall(r'\.p\+"([0-9a-f]{20}\.woff2)"', bundle)):
         assert (vendor.TARGET / "html-manager" / woff2).is_file(), woff2
