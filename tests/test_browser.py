@@ -25,6 +25,15 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 LOCAL_SCHEMES = ("file:", "data:", "blob:", "about:")
 OFFLINE_EXT = "ringviz.viz.offline"
+FONT_FACE_SRCS = """() => {
+  const out = [];
+  for (const sheet of document.styleSheets) {
+    let rules;
+    try { rules = sheet.cssRules; } catch (e) { continue; }  // unreadable: not a <style> tag
+    for (const r of rules) if (r instanceof CSSFontFaceRule) out.push(r.style.getPropertyValue("src"));
+  }
+  return out;
+}"""
 
 pytestmark = pytest.mark.browser
 
@@ -120,8 +129,11 @@ def test_page_is_offline_and_error_free(page):
     # html-manager's bundled Font Awesome 5 asks for its fonts beside its module, a folder
     # ringviz-widgets.js maps to the served html-manager/; nothing may fail, fonts included
     assert page.log["failed"] == [], page.log["failed"]
-    bundled_fonts = [u for u in page.log["requests"] if re.search(r"/[0-9a-f]{20}\.woff2$", u)]
-    assert all("/ringviz-widgets/html-manager/" in u for u in bundled_fonts), bundled_fonts
+    # whether a font is fetched depends on timing; where every @font-face points does not
+    srcs = page.evaluate(FONT_FACE_SRCS)
+    bundled = re.findall(r'url\("?([^")]*/[0-9a-f]{20}\.\w+)', " ".join(srcs))
+    assert bundled, srcs  # html-manager's Font Awesome CSS is on the page
+    assert all("/ringviz-widgets/html-manager/" in u for u in bundled), sorted(set(bundled))
     served = [u for u in page.log["requests"] if "ringviz-widgets/" in u]
     assert any("anywidget/index.js" in u for u in served), served
 

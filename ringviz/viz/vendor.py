@@ -38,7 +38,7 @@ NPM = {
             "LICENSES/html-manager-bundled.txt",
             "aed2008aae8123157c4ae564883166b1af7bab928d504a1fa7de1f67aec11268"),
         # the bundle's Font Awesome 5 CSS asks for these (solid, regular, brands) beside its
-        # module's URL, which ringviz-widgets.js maps to html-manager/; byte-identical to
+        # two modules' URLs, which ringviz-widgets.js maps to html-manager/; byte-identical to
         # fontawesome-free 5.15.4's webfonts/fa-*.woff2. Browsers without woff2 get no icons.
         "package/dist/1551f4f60c37af51121f.woff2": (
             "html-manager/1551f4f60c37af51121f.woff2",
