@@ -71,3 +71,21 @@ def test_eval_text_is_shipped_and_long_enough():
         eval_tokens(WordTokenizer(), 10**6)
     with pytest.raises(ValueError, match="positive int"):
         eval_tokens(WordTokenizer(), 0)
+
+
+def test_gguf_conversion_honours_disable_progress_bar(capsys):
+    transformers = pytest.importorskip("transformers")
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.tqdm
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with load.gguf_progress_follows_transformers(transformers):
+            assert list(gguf_utils.tqdm(range(3), desc="GGUF")) == [0, 1, 2]
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+    assert gguf_utils.tqdm is original
+    assert "GGUF" not in capsys.readouterr().err  # no bar drawn, neither text nor widget
+    with load.gguf_progress_follows_transformers(transformers):  # switch on: a bar on stderr
+        assert list(gguf_utils.tqdm(range(3), desc="GGUF")) == [0, 1, 2]
+    assert "GGUF" in capsys.readouterr().err

@@ -17,6 +17,8 @@ import os
 import shutil
 import tempfile
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,15 +140,35 @@ def _require_transformers():
     return transformers
 
 
+@contextmanager
+def gguf_progress_follows_transformers(transformers) -> Iterator[None]:
+    """Make transformers' GGUF de-quantisation honour its own progress-bar switch.
+
+    Its loop calls ``tqdm.auto`` directly, ignoring ``disable_progress_bar()``: a notebook that
+    turned bars off still got a widget, which in the book also became a second copy of the
+    cell's labelled figure. For the block, that module uses transformers' own ``tqdm``, the one
+    that honours the switch (a terminal keeps its bar on stderr).
+    """
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    before = gguf_utils.tqdm
+    gguf_utils.tqdm = transformers.utils.logging.tqdm
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = before
+
+
 def _build_float32_copy(name: str, target: Path) -> None:
     """De-quantise the GGUF through transformers and save a plain float32 checkpoint."""
     transformers = _require_transformers()
     path = gguf_path(name)
     os.environ["HF_HUB_OFFLINE"] = "1"
     kwargs = {"gguf_file": path.name}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, dtype=torch.float32, **kwargs)
+    with gguf_progress_follows_transformers(transformers):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            path.parent, dtype=torch.float32, **kwargs)
     # save_pretrained refuses a "gguf-quantized" model; the weights are plain float32 by now
     model.hf_quantizer = None
     model.config.quantization_config = None
