@@ -18,7 +18,18 @@ decode) and returns their attention output:
   queries still need (the executorch #20346 failure).
 
 Padding (position -1, left or right) never takes a slot; a query with nothing visible gets
-zeros, never NaN.
+zeros, never NaN. Every check runs before anything is written: a rejected call changes nothing.
+
+Things to know (by design, not checked):
+
+* Inputs that require grad pull the storage into the autograd graph (it is written in place);
+  run decode under ``torch.no_grad()`` or ``torch.inference_mode()``.
+* A cache created under ``inference_mode`` holds inference tensors and cannot be stepped
+  outside it.
+* Padding keys/values are zeroed before they meet a query, but a real token's non-finite k/v
+  (inf, NaN) can reach queries that cannot see it: a masked key still enters SDPA's
+  ``weights @ values`` with weight 0, and ``0 * NaN`` is NaN. Whether it does depends on the
+  chunking (which masked slots share a call). Keep k/v finite.
 
 >>> import torch
 >>> cache = RingKVCache(batch_size=1, num_kv_heads=1, window=4, head_dim=2)
@@ -35,7 +46,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ringviz.checks import check_int, check_kv, check_tensor
+from ringviz.checks import check_int, check_kv, check_scale, check_tensor
 from ringviz.masks import band_mask
 
 
@@ -143,9 +154,16 @@ class RingKVCache:
                 or q.shape[3] != self.head_dim:
             raise ValueError(f"q must be (B={self.batch_size}, Hq, T={T}, "
                              f"head_dim={self.head_dim}), got {tuple(q.shape)}")
-        if q.shape[1] % self.num_kv_heads:
-            raise ValueError(f"Hq={q.shape[1]} query heads is not a multiple of "
+        if q.shape[1] == 0 or q.shape[1] % self.num_kv_heads:
+            raise ValueError(f"Hq={q.shape[1]} query heads is not a positive multiple of "
                              f"n_kv_heads={self.num_kv_heads}")
+
+    def check_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   positions: torch.Tensor, *, scale: float | None = None) -> None:
+        """Raise exactly what :meth:`step` would reject, writing nothing."""
+        check_scale(scale)
+        self._check_kv(k, v, positions)
+        self._check_q(q, k.shape[2])
 
     # ------------------------------------------------------------------ the ring
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
@@ -182,6 +200,7 @@ class RingKVCache:
     def attend(self, q: torch.Tensor, q_positions: torch.Tensor, *,
                scale: float | None = None) -> torch.Tensor:
         """Attention of ``q`` (B, Hq, T, D) over the ring as it is now, masked by positions."""
+        scale = check_scale(scale)
         if not isinstance(q_positions, torch.Tensor):
             raise TypeError(f"q_positions must be a torch.Tensor, got {type(q_positions).__name__}")
         self._check_q(q, q.shape[2] if q.ndim == 4 else -1)
@@ -193,10 +212,15 @@ class RingKVCache:
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
              *, scale: float | None = None, check: bool = True) -> torch.Tensor:
-        """Attend ``T`` new tokens per row to their windows and store them: ``(B, Hq, T, D)``."""
+        """Attend ``T`` new tokens per row to their windows and store them: ``(B, Hq, T, D)``.
+
+        ``check=False`` skips the tensor checks (and their one host sync) for a trusted loop;
+        ``scale`` is checked either way (plain Python, no sync).
+        """
         if check:
-            self._check_kv(k, v, positions)
-            self._check_q(q, k.shape[2])
+            self.check_step(q, k, v, positions, scale=scale)
+        else:
+            check_scale(scale)
         positions = positions.to(torch.int64)
         if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
             self.write(k, v, positions, check=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -20,6 +22,26 @@ def check_int(name: str, value: object, minimum: int = 1) -> int:
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def check_scale(scale: object) -> float | None:
+    """Return ``scale`` as a float if it is None or a positive finite real number; raise otherwise.
+
+    Checked before anything is written, so a bad scale never leaves a half-done step behind.
+
+    >>> check_scale(0.125)
+    0.125
+    >>> check_scale(float("nan"))
+    Traceback (most recent call last):
+    ValueError: scale must be a positive finite number, got nan
+    """
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return float(scale)
 
 
 def check_tensor(name: str, value: object, device: torch.device) -> torch.Tensor:

@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ringviz.checks import check_int, check_kv
+from ringviz.checks import check_int, check_kv, check_scale
 from ringviz.masks import band_mask
 
 
@@ -115,8 +115,9 @@ def windowed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     B, Hq, T, D = q.shape
     if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
         raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
-    if Hq % k.shape[1]:
-        raise ValueError(f"Hq={Hq} is not a multiple of n_kv_heads={k.shape[1]}")
+    if Hq == 0 or Hq % k.shape[1]:
+        raise ValueError(f"Hq={Hq} is not a positive multiple of n_kv_heads={k.shape[1]}")
+    scale = check_scale(scale)
     if positions.shape != (B, T):
         raise ValueError(f"positions must be (B, T) = {(B, T)}, got {tuple(positions.shape)}")
     group = Hq // k.shape[1]

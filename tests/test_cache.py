@@ -1,5 +1,8 @@
 """RingKVCache against the full-recompute reference, and every contract of its API."""
 
+import hashlib
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -205,8 +208,12 @@ def test_int32_positions_accepted(device):
 
 
 # ---------------------------------------------------------------- bad input
-def snapshot(cache):
-    return [t.clone() for t in (cache.k, cache.v, cache.positions, cache._last_pos)]
+def snapshot(cache) -> str:
+    """sha256 over the bytes of every tensor the cache stores (spare slot included)."""
+    digest = hashlib.sha256()
+    for t in (cache._k_store, cache._v_store, cache._pos_store, cache._last_pos):
+        digest.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def primed(device):
@@ -226,7 +233,8 @@ def good(device, T=1, Hq=4, start=5):
 BAD = {
     "wrong k shape": (lambda q, k, v, p: (q, k[:, :1], v[:, :1], p), ValueError, "k must be"),
     "head_dim mismatch": (lambda q, k, v, p: (q, k[..., :4], v[..., :4], p), ValueError, "head_dim"),
-    "Hq not multiple": (lambda q, k, v, p: (q[:, :3], k, v, p), ValueError, "not a multiple"),
+    "Hq not multiple": (lambda q, k, v, p: (q[:, :3], k, v, p), ValueError, "not a positive multiple"),
+    "zero query heads": (lambda q, k, v, p: (q[:, :0], k, v, p), ValueError, "Hq=0"),
     "q head_dim": (lambda q, k, v, p: (q[..., :4], k, v, p), ValueError, "q must be"),
     "k/v differ": (lambda q, k, v, p: (q, k, v[:, :, :0], p), ValueError, "v must be"),
     "positions shape": (lambda q, k, v, p: (q, k, v, p[:1]), ValueError, r"positions must be \(B, T\)"),
@@ -248,8 +256,7 @@ def test_bad_step_raises_and_changes_nothing(device, name):
     before = snapshot(cache)
     with pytest.raises(error, match=match):
         cache.step(*mutate(*good(device)))
-    for a, b in zip(before, snapshot(cache)):
-        assert torch.equal(a, b)
+    assert snapshot(cache) == before
 
 
 def test_positions_not_strictly_increasing_within_row(device):
@@ -259,8 +266,27 @@ def test_positions_not_strictly_increasing_within_row(device):
     pos = torch.tensor([[5, 7, 6], [5, 6, 7]], device=device)
     with pytest.raises(ValueError, match="row 0: positions must strictly increase"):
         cache.step(q, k, v, pos)
-    for a, b in zip(before, snapshot(cache)):
-        assert torch.equal(a, b)
+    assert snapshot(cache) == before
+
+
+BAD_SCALES = [("0.5", TypeError), (torch.tensor(0.5), TypeError), (True, TypeError),
+              (math.nan, ValueError), (math.inf, ValueError), (0.0, ValueError), (-0.5, ValueError)]
+
+
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize(("scale", "error"), BAD_SCALES)
+def test_bad_scale_rejected_before_any_write(device, T, scale, error):
+    cache = primed(device)
+    before = snapshot(cache)
+    q, k, v, pos = good(device, T=T)
+    for call in (lambda: cache.step(q, k, v, pos, scale=scale),
+                 lambda: cache.step(q, k, v, pos, scale=scale, check=False),
+                 lambda: cache.attend(q, pos, scale=scale)):
+        with pytest.raises(error, match="scale"):
+            call()
+        assert snapshot(cache) == before
+    cache.step(q, k, v, pos, scale=0.5)  # the corrected retry is accepted
+    assert int(cache._last_pos.max()) == 5 + T - 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")

@@ -81,6 +81,6 @@ def test_bad_inputs():
         cache.update(torch.randn(1, 2, 1, 4, dtype=torch.float64),
                      torch.randn(1, 2, 1, 4, dtype=torch.float64))
     assert len(cache) == 0
-    with pytest.raises(ValueError, match="not a multiple"):
+    with pytest.raises(ValueError, match="not a positive multiple"):
         windowed_attention_reference(torch.randn(1, 3, 2, 4), torch.randn(1, 2, 2, 4),
                                      torch.randn(1, 2, 2, 4), torch.arange(2)[None], 2)
