@@ -116,7 +116,8 @@ class DraftRing:
         check_tensor("q", q, c.device)
         T = k.shape[2]
         if q.dtype != c.dtype or q.ndim != 4 or q.shape[0] != c.batch_size \
-                or q.shape[2:] != (T, c.head_dim) or q.shape[1] % c.num_kv_heads:
+                or q.shape[2:] != (T, c.head_dim) or q.shape[1] == 0 \
+                or q.shape[1] % c.num_kv_heads:
             raise ValueError(f"q must be {c.dtype} (B={c.batch_size}, Hq = a multiple of "
                              f"{c.num_kv_heads}, T={T}, head_dim={c.head_dim}), got {q.dtype} "
                              f"{tuple(q.shape)}")
