@@ -10,13 +10,16 @@ After a rejection the next query (at ``n + m``) needs ``n + m - W + 1 ..``: ever
 after the first evicted one of those keys, and a ring cannot give it back. Three engines, one
 interface (``prefill``, then ``verify`` / ``commit`` per cycle):
 
-================== ====================================================  =====================
-engine             verify, then commit ``m`` of ``T``                    cost
-================== ====================================================  =====================
-OverwritingRing    ``step`` writes all T; ``truncate`` forgets rejected   wrong after 2+ rejected
-SpareSlotsRing     same, in a ring of ``W + k`` slots masked with ``W``    ``k`` more slots
-CommitAcceptedRing attend over ``[ring | chunk]``, write only ``m``       ``T`` more key columns
-================== ====================================================  =====================
+================== ================================================  ===========================
+engine             verify, then commit ``m`` of ``T``                key columns, slots
+================== ================================================  ===========================
+OverwritingRing    ``step`` (attend ``[ring | chunk]``, write all);  W + T, W: wrong once two
+                   ``truncate`` forgets the rejected tokens          or more are rejected
+SpareSlotsRing     write all, attend over the ring of ``W + k``      W + k, W + k
+                   slots (masked with ``W``); ``truncate``
+CommitAcceptedRing attend ``[ring | chunk]``, write nothing; then    W + T, W
+                   write the ``m`` accepted tokens only
+================== ================================================  ===========================
 
 >>> import torch
 >>> ring = SpareSlotsRing(1, 1, window=4, head_dim=2, max_draft=3)
@@ -166,11 +169,17 @@ class SpareSlotsRing(DraftRing):
     """Fix 1: ``window + max_draft`` slots, masked with ``window``; rejected tokens forgotten.
 
     The extra slots hold positions no query can see any more, so a chunk of up to
-    ``max_draft + 1`` tokens only evicts keys that no later query needs.
+    ``max_draft + 1`` tokens evicts only keys older than its first query's window: it can be
+    written before attending (one key source, as a kernel that reads only the cache wants),
+    and taken back after.
     """
 
     def _capacity(self, window: int, max_draft: int) -> int:
         return window + max_draft
+
+    def _verify(self, q, k, v, positions, scale):
+        self.cache.write(k, v, positions)
+        return self.cache.attend(q, positions, scale=scale)
 
 
 class CommitAcceptedRing(DraftRing):
