@@ -56,6 +56,9 @@ def draw_draft_rows(rows: Sequence[tuple[str, Sequence[int]]], *, window: int, q
     for r, (label, positions) in enumerate(rows):
         y = -r * PITCH
         ax.text(-0.25, y + 0.4, label, ha="right", va="center", fontsize=11)
+        if r == 0:
+            ax.text(-0.25, y + 0.9, "slot", ha="right", va="bottom", fontsize=10,
+                    color=EDGE_COLOR)
         for s, pos in enumerate(positions):
             changed = r > 0 and (s >= len(above) or above[s] != pos) and pos >= 0
             ax.add_patch(Rectangle((s + 0.04, y), 0.92, 0.8,
@@ -66,8 +69,8 @@ def draw_draft_rows(rows: Sequence[tuple[str, Sequence[int]]], *, window: int, q
             ax.text(s + 0.5, y + 0.4, "" if pos < 0 else str(pos), ha="center", va="center",
                     fontsize=11, fontweight="bold" if changed else "normal")
             if r == 0:
-                ax.text(s + 0.5, y + 0.9, f"slot {s}" if s == 0 else str(s), ha="center",
-                        va="bottom", fontsize=10, color=EDGE_COLOR)
+                ax.text(s + 0.5, y + 0.9, str(s), ha="center", va="bottom", fontsize=10,
+                        color=EDGE_COLOR)
         if notes and notes[r]:
             ax.text(0.04, y - 0.12, notes[r], ha="left", va="top", fontsize=10.5,
                     color=EVICT_COLOR)
