@@ -31,6 +31,10 @@ Things to know (by design, not checked):
   ``weights @ values`` with weight 0, and ``0 * NaN`` is NaN. Whether it does depends on the
   chunking (which masked slots share a call). Keep k/v finite.
 
+Speculative decoding (chapter 13) adds two things, both unused by default: ``capacity`` slots
+per row (default ``window``; slot = ``pos % capacity``, masks still use ``window``), and
+:meth:`RingKVCache.truncate`, which forgets rejected draft tokens.
+
 >>> import torch
 >>> cache = RingKVCache(batch_size=1, num_kv_heads=1, window=4, head_dim=2)
 >>> x = torch.zeros(1, 1, 6, 2)
@@ -54,7 +58,7 @@ class RingKVCache:
     """A batch of rings, one per row, holding each row's last ``window`` keys and values."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32,
+                 capacity: int | None = None, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                             ("window", window), ("head_dim", head_dim)):
@@ -63,17 +67,19 @@ class RingKVCache:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.batch_size, self.num_kv_heads = batch_size, num_kv_heads
         self.window, self.head_dim = window, head_dim
-        # Slot W is a spare, outside the views below: padding tokens and chunk tokens that a
-        # later token of the same chunk overwrites are written there, so a write never has to
-        # read old values back and is one scatter per tensor.
-        store = (batch_size, num_kv_heads, window + 1, head_dim)
+        # slots per row: the window, plus any spare slots that rejected drafts may overwrite
+        self.capacity = window if capacity is None else check_int("capacity", capacity, window)
+        # Slot `capacity` is a spare, outside the views below: padding tokens and chunk tokens
+        # that a later token of the same chunk overwrites are written there, so a write never
+        # has to read old values back and is one scatter per tensor.
+        store = (batch_size, num_kv_heads, self.capacity + 1, head_dim)
         self._k_store = torch.zeros(store, dtype=dtype, device=device)
         self._v_store = torch.zeros(store, dtype=dtype, device=device)
-        self._pos_store = torch.full((batch_size, window + 1), -1, dtype=torch.int64,
+        self._pos_store = torch.full((batch_size, self.capacity + 1), -1, dtype=torch.int64,
                                      device=self._k_store.device)
-        self.k = self._k_store[:, :, :window]  # (B, n_kv_heads, window, head_dim)
-        self.v = self._v_store[:, :, :window]  # (B, n_kv_heads, window, head_dim)
-        self.positions = self._pos_store[:, :window]  # (B, window), -1 = empty
+        self.k = self._k_store[:, :, :self.capacity]  # (B, n_kv_heads, capacity, head_dim)
+        self.v = self._v_store[:, :, :self.capacity]  # (B, n_kv_heads, capacity, head_dim)
+        self.positions = self._pos_store[:, :self.capacity]  # (B, capacity), -1 = empty
         # newest position per row: kept beside the ring so a decode step never scans all W slots
         self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.k.device)
         self._rows = torch.arange(batch_size, device=self.k.device)  # row index of a decode write
@@ -173,7 +179,7 @@ class RingKVCache:
     # ------------------------------------------------------------------ the ring
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
               check: bool = True) -> None:
-        """Write ``T`` tokens per row into slots ``pos % window``; keep each row's last W.
+        """Write ``T`` tokens per row into slots ``pos % capacity``; keep each row's last C.
 
         Tokens of a chunk that would be overwritten by a later token of the same chunk, and
         padding (-1), are not stored. ``check=False`` skips validation (and its host sync),
@@ -188,10 +194,10 @@ class RingKVCache:
             keep = positions >= 0
         else:
             newest = torch.maximum(self._last_pos, positions.max(dim=1).values)  # (B,)
-            keep = (positions >= 0) & (positions > newest[:, None] - self.window)  # (B, T)
-        # kept tokens of a row span < W positions, so their slots are distinct; the rest share
-        # the spare slot W, whose contents are never read
-        slot = torch.where(keep, positions % self.window, self.window)  # (B, T)
+            keep = (positions >= 0) & (positions > newest[:, None] - self.capacity)  # (B, T)
+        # kept tokens of a row span < C positions, so their slots are distinct; the rest share
+        # the spare slot C, whose contents are never read
+        slot = torch.where(keep, positions % self.capacity, self.capacity)  # (B, T)
         if T == 1:  # index_put: about half the cost of scatter_ for one token per row
             self._k_store[self._rows, :, slot[:, 0]] = k[:, :, 0]  # (B, n_kv_heads, head_dim)
             self._v_store[self._rows, :, slot[:, 0]] = v[:, :, 0]
@@ -240,10 +246,53 @@ class RingKVCache:
         self.write(k, v, positions, check=False)
         return out
 
+    # ------------------------------------------------------------------ taking tokens back
+    def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:
+        """Forget every stored position ``>= lengths[b]`` of row b (rejected draft tokens).
+
+        Row b may then write from position ``lengths[b]`` again. Nothing is restored: a key that
+        a forgotten token overwrote is gone. So ``check`` (the default) raises ValueError, and
+        changes nothing, unless row b still holds every position its next query needs,
+        ``lengths[b] - window + 1 .. lengths[b] - 1`` (positions are a token sequence's, one
+        per index). A ring can take back ``capacity - window + 1`` tokens: one without spare
+        slots (chapter 13). ``check=False`` skips the check and its host sync.
+        """
+        if check:
+            self._check_truncate(lengths)
+        lengths = lengths.to(torch.int64)
+        self._pos_store.masked_fill_(self._pos_store >= lengths[:, None], -1)
+        torch.minimum(self._last_pos, lengths - 1, out=self._last_pos)
+
+    def _check_truncate(self, lengths: torch.Tensor) -> None:
+        check_tensor("lengths", lengths, self.device)
+        if lengths.dtype not in (torch.int64, torch.int32) or lengths.shape != (self.batch_size,):
+            raise ValueError(f"lengths must be int64 or int32 of shape (B,) = ({self.batch_size},),"
+                             f" got {lengths.dtype} {tuple(lengths.shape)}")
+        lengths = lengths.to(torch.int64)
+        seen = self._last_pos + 1  # (B,)
+        kept = (self.positions >= 0) & (self.positions < lengths[:, None])  # (B, C)
+        needed = band_mask(lengths[:, None], self.positions, self.window)[:, 0] & kept
+        want = torch.minimum(lengths, torch.full_like(lengths, self.window - 1))
+        bad = (lengths < 0) | (lengths > seen) | (needed.sum(-1) < want)  # (B,)
+        if not bool(bad.any()):
+            return
+        b = int(bad.nonzero()[0, 0])
+        n = int(lengths[b])
+        if n < 0 or n > int(seen[b]):
+            raise ValueError(f"row {b}: cannot truncate to {n} positions; it has seen "
+                             f"{int(seen[b])}")
+        held = set(self.positions[b].tolist())
+        lost = [p for p in range(max(0, n - self.window + 1), n) if p not in held]
+        raise ValueError(
+            f"row {b}: truncating to {n} leaves out position(s) {lost}, which the query at {n} "
+            f"needs: later tokens overwrote them (capacity {self.capacity}, window "
+            f"{self.window}: the ring can take back at most {self.capacity - self.window + 1} "
+            f"token(s))")
+
     def __repr__(self) -> str:
         return (f"RingKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
-                f"window={self.window}, head_dim={self.head_dim}, dtype={self.dtype}, "
-                f"device={self.device})")
+                f"window={self.window}, capacity={self.capacity}, head_dim={self.head_dim}, "
+                f"dtype={self.dtype}, device={self.device})")
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
