@@ -261,3 +261,43 @@ def test_offline_extension_dedupes_and_flags_remote_assets(caplog):
     assert [s.filename for s in context["script_files"]] == [None, "a.js",
                                                              "https://cdn.example/x.js"]
     assert "loads https://cdn.example/x.js from the web" in caplog.text
+
+
+def test_strip_of_a_single_row_ring_shows_each_step_mask():
+    trace = trace_scenario(Scenario(window=4, prompt=10, chunk=3, decode_steps=1))
+    fig = viz.draw_frames(trace)
+    masks = fig.axes[1::2]
+    assert len(masks) == len(trace.frames)
+    # step 2: chunk 3..5 over a ring holding 0..2 -> 3 x 6 cells, ring and chunk bracketed
+    assert len(masks[2].patches) == 18
+    assert {"ring", "chunk"} <= set(_texts(masks[2]))
+    assert "stale" in _legend(fig.axes[-2])  # the last ring axes holds the legend
+
+
+def test_chunk_keys_strike_the_tokens_never_stored():
+    trace = trace_scenario(Scenario(window=4, prompt=11, chunk=6, decode_steps=0))
+    ax = viz.draw_chunk_keys(trace, 2)  # chunk 6..10 over a ring holding 2..5
+    keys = [t for t in ax.texts if t.get_position()[1] == pytest.approx(0.15)]
+    assert [t.get_text() for t in keys] == ["2", "3", "4", "5", "6", "7", "8", "9", "10"]
+    struck = [t.get_text() for t in keys if t.get_color() == viz.style.EVICT_COLOR]
+    assert struck == ["6"] and len(ax.patches) == 5 * 9
+    with pytest.raises(ValueError, match="not a chunk step"):
+        viz.draw_chunk_keys(trace_scenario(Scenario(window=4, prompt=3, decode_steps=1)), 2)
+
+
+def test_padded_batch_reads_slots_from_the_ring():
+    import torch
+
+    from ringviz import RingKVCache
+    pos = torch.tensor([[0, 1, 2, 3, 4], [-1, -1, -1, 0, 1]])
+    cache = RingKVCache(2, 1, 4, 2)
+    x = torch.zeros(2, 1, 5, 2)
+    cache.step(x, x, x, pos)
+    ax = viz.draw_padded_batch(pos.numpy(), cache.positions.numpy(), 4)
+    texts = _texts(ax)
+    assert texts.count("pad") == 3
+    assert [t for t in texts if t.startswith("s") and t[1:].isdigit()] == [
+        "s1", "s2", "s3", "s0", "s0", "s1"]  # row 0 keeps 1..4, token 0 displaced by 4
+    assert texts.count("-") == 1
+    with pytest.raises(ValueError, match=r"\(B, 4\)"):
+        viz.draw_padded_batch(pos.numpy(), cache.positions.numpy()[:, :3], 4)
