@@ -17,7 +17,7 @@
 
 const SVG = "http://www.w3.org/2000/svg";
 const STATE = { v: "visible", s: "stale", f: "future", e: "empty" };
-const FG = "var(--rv-fg)", MUTED = "var(--rv-muted)", EDGE = "var(--rv-edge)";
+const FG = "var(--rv-fg)", MUTED = "var(--rv-muted)", EDGE = "var(--rv-edge)", EVICT = "var(--rv-evict)";
 
 /** Attributes whose value is a CSS variable go into style (presentation attributes cannot). */
 function el(tag, attrs, parent) {
@@ -71,7 +71,7 @@ function drawRow(svg, view, f, row, x0, y0, cell, colors) {
   const end = x0 + view.window * cell + 8;
   if (f.evicted[row].length) {
     label(svg, end, y0 + cell / 2 - 2, `evicted ${f.evicted[row].join(", ")}`,
-      { "text-anchor": "start", fill: colors.evict, class: "evicted", "font-weight": "bold" });
+      { "text-anchor": "start", fill: EVICT, class: "evicted", "font-weight": "bold" });
   }
   if (view.layout === "ring") {
     const ws = writeSlot(f.positions[row]);
@@ -136,7 +136,7 @@ function drawBand(svg, view, f, x0, y0, cell, rowsShown, colors) {
   const kTop = top + 14;
   k.forEach((key, j) => {
     const never = inChunk.has(key) && !kept.has(key);
-    label(svg, gx + j * cell + cell / 2, kTop + 8, String(key), { "font-size": 12, "text-decoration": never ? "line-through" : "none", fill: never ? colors.evict : FG, class: never ? "never-stored" : "key" });
+    label(svg, gx + j * cell + cell / 2, kTop + 8, String(key), { "font-size": 12, "text-decoration": never ? "line-through" : "none", fill: never ? EVICT : FG, class: never ? "never-stored" : "key" });
   });
   const state = (i, j) => (f.band[0][i][j] === "1" ? "visible" : k[j] > q[i] ? "future" : "stale");
   q.forEach((query, i) => {
