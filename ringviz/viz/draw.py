@@ -280,17 +280,17 @@ def draw_padded_batch(positions: np.ndarray, ring_positions: np.ndarray, window:
                                    facecolor=STATE_COLORS["empty" if pad else "visible"],
                                    edgecolor=EDGE_COLOR, linewidth=0.8))
             ax.text(t + 0.5, y + 0.4, "pad" if pad else str(p), ha="center", va="center",
-                    fontsize=7 if pad else 9, color=EDGE_COLOR if pad else "black",
+                    fontsize=8 if pad else 10, color=EDGE_COLOR if pad else "black",
                     bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5} if pad else None)
             if not pad:
                 ax.text(t + 0.5, y - 0.12, f"s{held[p]}" if p in held else "-",
-                        ha="center", va="top", fontsize=7, color=EDGE_COLOR)
+                        ha="center", va="top", fontsize=8, color=EDGE_COLOR)
         for s, p in enumerate(ring[b].tolist()):
             ax.add_patch(Rectangle((gap + s + 0.04, y), 0.92, 0.8, hatch="//" if p < 0 else None,
                                    facecolor=STATE_COLORS["empty" if p < 0 else "visible"],
                                    edgecolor=EDGE_COLOR, linewidth=0.8))
             ax.text(gap + s + 0.5, y + 0.4, "" if p < 0 else str(p), ha="center", va="center",
-                    fontsize=9)
+                    fontsize=10)
         ax.text(-0.2, y + 0.4, f"row {b}", ha="right", va="center", fontsize=9)
     for s in range(window):
         ax.text(gap + s + 0.5, 0.95, f"slot {s}" if s == 0 else str(s), ha="center",
