@@ -16,7 +16,7 @@ from matplotlib.figure import Figure
 import ringviz.viz as viz
 from ringviz.trace import Scenario, trace_ring, trace_scenario, trace_shift
 from ringviz.viz import offline, vendor
-from ringviz.viz.stepper import STATE_LETTERS, view
+from ringviz.viz.stepper import STATE_LETTERS, pack, unpack, view
 
 STATE_NAMES = {letter: name for name, letter in STATE_LETTERS.items()}
 
@@ -152,8 +152,9 @@ def test_bad_frame_or_row_raises(decode_trace):
 def test_stepper_embeds_the_whole_trace():
     stepper = viz.RingStepper.from_scenario(window=4, prompt=6, decode_steps=2)
     expected = trace_scenario(Scenario(window=4, prompt=6, decode_steps=2))
-    assert stepper.views == [view(expected)] and stepper.params == []
+    assert unpack(stepper.frames, stepper.views) == [view(expected)] and stepper.params == []
     assert json.loads(json.dumps(stepper.views)) == stepper.views  # what the page embeds
+    assert json.loads(json.dumps(stepper.frames)) == stepper.frames
     assert stepper.to_trace() == expected
     assert "export default" in stepper._esm
     assert ".ringviz-stepper" in stepper._css
@@ -175,6 +176,16 @@ def test_view_keeps_what_the_js_draws_compactly():
     assert len(json.dumps(v)) < 0.7 * len(trace.to_json())
 
 
+def test_pack_stores_each_distinct_frame_once():
+    views = [view(trace_scenario(Scenario(window=4, prompt=p, chunk=c, decode_steps=3)))
+             for p in (6, 9) for c in (2, 3)]
+    frames, packed = pack(views)
+    assert unpack(frames, packed) == views
+    distinct = {json.dumps(f, sort_keys=True) for v in views for f in v["frames"]}
+    assert len(frames) == len(distinct) < sum(len(v["frames"]) for v in views)
+    assert len(json.dumps([frames, packed])) < 0.8 * len(json.dumps(views))
+
+
 def test_grid_holds_one_real_trace_per_setting():
     stepper = viz.RingStepper.from_scenario(window=4, prompt=7, chunk=3, decode_steps=2,
                                             vary={"window": (3, 4), "chunk": (2, 3, None)})
@@ -184,7 +195,7 @@ def test_grid_holds_one_real_trace_per_setting():
                                                          decode_steps=2))
     for i, (w, chunk) in enumerate([(w, c) for w in (3, 4) for c in (2, 3, None)]):
         expected = trace_scenario(Scenario(window=w, prompt=7, chunk=chunk, decode_steps=2))
-        assert stepper.views[i] == view(expected)
+        assert unpack(stepper.frames, stepper.views)[i] == view(expected)
     stepper.choice = 5
     assert stepper.to_trace().scenario["chunk"] is None
     with pytest.raises(traitlets.TraitError, match="choice"):

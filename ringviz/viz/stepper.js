@@ -12,6 +12,7 @@
  *   band: per row, per query, one '1' (visible) or '0' per key; states: per row, one letter per
  *   slot (v visible, s stale, f future, e empty)
  * @typedef {{layout: string, window: number, rows: number, frames: Frame[]}} View
+ *   as synced, a view's frames are indices into the model's "frames" (each distinct frame once)
  * @typedef {{name: string, label: string, values: string[]}} Param
  */
 
@@ -187,13 +188,19 @@ function legend(svg, x, y, colors, ring) {
   }
 }
 
+/** The view on display, its frame indices resolved against the shared frame table. */
+function currentView(model) {
+  const table = model.get("frames"), v = model.get("views")[model.get("choice")];
+  return { ...v, frames: v.frames.map((i) => table[i]) };
+}
+
 /** Redraw the whole SVG for the model's current trace and frame. The SVG keeps one size for
  * every frame of a trace (the band is sized for the step with the most queries), so stepping
  * never moves what lies below it. */
 function draw(model, parts) {
   const { svg, caption, arithmetic, slider, counter, selects } = parts;
   /** @type {View} */
-  const view = model.get("views")[model.get("choice")];
+  const view = currentView(model);
   const colors = model.get("colors");
   const n = view.frames.length;
   const i = Math.max(0, Math.min(model.get("frame"), n - 1));
@@ -343,10 +350,11 @@ function render({ model, el: host }) {
   model.on("change:frame", redraw);
   model.on("change:choice", redraw);
   model.on("change:views", redraw);
+  model.on("change:frames", redraw);
   redraw();
   return () => {
     stop();
-    for (const name of ["frame", "choice", "views"]) model.off(`change:${name}`, redraw);
+    for (const name of ["frame", "choice", "views", "frames"]) model.off(`change:${name}`, redraw);
   };
 }
 

@@ -1,7 +1,9 @@
 """The ring stepper: traces in synced traits, stepped and selected by a plain-JavaScript SVG view.
 
-Every trace the stepper can show lives in the ``views`` trait, so the saved notebook embeds them
-and the rendered book steps through them with no kernel. A stepper built with ``vary=`` holds
+Every trace the stepper can show lives in the ``views`` and ``frames`` traits, so the saved
+notebook embeds them and the rendered book steps through them with no kernel. Frames repeat a lot
+across a grid (the empty start, decode steps after equal prompts), so each distinct frame is
+stored once in ``frames`` and a view lists indices into it. A stepper built with ``vary=`` holds
 one trace per point of a parameter grid (all computed here, in Python, by the real caches); the
 page's drop-downs only pick which precomputed trace to draw. ``frame`` and ``choice`` are the
 only things that change. :class:`Controls` adds ipywidgets sliders that rebuild the trace in
@@ -11,6 +13,7 @@ Python for any value (live kernel only).
 from __future__ import annotations
 
 import itertools
+import json
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
 
@@ -55,6 +58,33 @@ def view(trace: Trace) -> dict:
     return {"layout": trace.layout, "window": trace.window, "rows": trace.rows, "frames": frames}
 
 
+def pack(views: Sequence[dict]) -> tuple[list[dict], list[dict]]:
+    """Store each distinct frame once: ``(frames, views)`` with ``view["frames"]`` as indices.
+
+    >>> frames, views = pack([view(trace_ring(2, 1)), view(trace_ring(2, 2))])
+    >>> len(frames), [v["frames"] for v in views]
+    (3, [[0, 1], [0, 1, 2]])
+    """
+    table: list[dict] = []
+    index: dict[str, int] = {}
+    packed = []
+    for v in views:
+        ids = []
+        for f in v["frames"]:
+            key = json.dumps(f, sort_keys=True)
+            if key not in index:
+                index[key] = len(table)
+                table.append(f)
+            ids.append(index[key])
+        packed.append({**v, "frames": ids})
+    return table, packed
+
+
+def unpack(frames: Sequence[dict], views: Sequence[dict]) -> list[dict]:
+    """The inverse of :func:`pack` (what the JavaScript view does to draw a trace)."""
+    return [{**v, "frames": [frames[i] for i in v["frames"]]} for v in views]
+
+
 def _label(value: object) -> str:
     """How a grid value reads in a drop-down: ``None`` chunk = the whole prompt, tuples listed."""
     if value is None:
@@ -73,7 +103,8 @@ class RingStepper(anywidget.AnyWidget):
 
     _esm = _HERE / "stepper.js"
     _css = _HERE / "stepper.css"
-    views = traitlets.List().tag(sync=True)  # view(trace) for every grid point, embedded
+    frames = traitlets.List().tag(sync=True)  # every distinct frame of the grid, once
+    views = traitlets.List().tag(sync=True)  # per grid point: view(trace), frames as indices
     params = traitlets.List().tag(sync=True)  # [{"name", "label", "values": [str]}], grid axes
     choice = traitlets.Int(0).tag(sync=True)  # index into views (row-major over params)
     frame = traitlets.Int(0).tag(sync=True)  # index of the frame on screen
@@ -93,7 +124,8 @@ class RingStepper(anywidget.AnyWidget):
         if not traces or len(traces) != size:
             raise ValueError(f"{len(traces)} traces for a grid of {size} points")
         self._traces = traces
-        super().__init__(views=[view(t) for t in traces], params=list(params), choice=choice,
+        frames, views = pack([view(t) for t in traces])
+        super().__init__(frames=frames, views=views, params=list(params), choice=choice,
                          **kwargs)
 
     @classmethod
@@ -170,9 +202,10 @@ class RingStepper(anywidget.AnyWidget):
         if not isinstance(trace, Trace):
             raise TypeError(f"trace must be a ringviz.trace.Trace, got {type(trace).__name__}")
         self._traces = [trace]
+        frames, views = pack([view(trace)])
         with self.hold_trait_notifications():
             self.frame, self.choice, self.params = 0, 0, []
-            self.views = [view(trace)]
+            self.frames, self.views = frames, views
 
     def to_trace(self) -> Trace:
         """The trace on display (the grid point the drop-downs select)."""
