@@ -193,7 +193,7 @@ def _has_mask(trace: Trace) -> bool:
                                                               for f in trace.frames)
 
 
-def _mask(ax: Axes, f: Frame, row: int = 0, *, fontsize: float = 8,
+def _mask(ax: Axes, f: Frame, row: int = 0, *, fontsize: float = 9,
           groups: bool = True) -> None:
     """The step's queries (rows, top down) x keys (columns): visible / stale / future.
 
@@ -344,8 +344,8 @@ def draw_frames(trace: Trace, frames: list[int] | None = None, *,
                 ax.text(-0.2, (trace.rows - 1 - row) * ROW_PITCH + 0.4, f"row {row}",
                         ha="right", va="center", fontsize=8)
         _finish_rows(ax, trace.window, trace.rows)
-        ax.set_title(_wrap(f"step {i}: {f.caption}", 70 if masks else 120), loc="left",
-                     fontsize=8)
+        ax.set_title(_wrap(f"step {i}: {f.caption}", 62 if masks else 120), loc="left",
+                     fontsize=9 if masks else 8)
     states = ("visible", "stale", "future", "empty") if masks else ("visible", "empty")
     _legend(axes[-1, 0], states, pointers=trace.layout == "ring")
     fig.tight_layout()
