@@ -118,10 +118,11 @@ def _check_rows(rows: Sequence[dict], keys: tuple[str, ...], name: str) -> None:
 
 
 def _lines(rows: Sequence[dict], x: str, y: str, group: str, ax: Axes) -> None:
-    """One line per ``group`` value, points sorted by ``x``, markers on measured points."""
+    """One line per ``group`` value, points sorted by ``x``; colour, marker and dash from the
+    style's cycle (``style.line_cycle``), so no two lines differ by hue alone."""
     for name in dict.fromkeys(r[group] for r in rows):
         pts = sorted((r[x], r[y]) for r in rows if r[group] == name)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=str(name))
 
 
 def plot_memory(rows: Sequence[dict], *, x: str = "tokens", y: str = "bytes",
