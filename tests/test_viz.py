@@ -227,3 +227,12 @@ def test_offline_extension_dedupes_and_flags_remote_assets(caplog):
     assert [s.filename for s in context["script_files"]] == [None, "a.js",
                                                              "https://cdn.example/x.js"]
     assert "loads https://cdn.example/x.js from the web" in caplog.text
+
+
+def test_rotation_shows_the_distance_the_query_sees():
+    right, wrong = viz.draw_rotation(query_pos=9, key_pos=6, window=4)
+    assert "3 tokens back" in " ".join(_texts(right))
+    assert "7 tokens back" in " ".join(_texts(wrong))  # slot 6 % 4 = 2, so 9 - 2
+    assert "6 % 4 = 2" in wrong.get_title()
+    with pytest.raises(ValueError, match="key_pos"):
+        viz.draw_rotation(query_pos=3, key_pos=6, window=4)
