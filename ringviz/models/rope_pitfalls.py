@@ -25,7 +25,7 @@ from ringviz.rope import apply_rope, rotate_half
 
 
 class DoubleRopeRunner(RingRunner):
-    """Bug: the cache rotates keys at ``pos`` although HF already did: keys end up at ``R(2 pos)``.
+    """Bug: the cache rotates keys at ``pos`` that HF already rotated: they end up at ``R(2 pos)``.
 
     Position 0 is rotated by angle 0 either way, so only position 0 is right.
     """
@@ -38,9 +38,10 @@ class DoubleRopeRunner(RingRunner):
 class BatchCounterRunner(RingRunner):
     """Bug: after a left-padded prefill with per-row positions, decode with one batch counter.
 
-    The counter starts at the padded prefill width, so a row with ``p`` padding tokens writes its
-    next token at ``len + p`` instead of ``len``: RoPE distances to its cached keys are ``p`` too
-    long and the window mask drops its ``p`` oldest visible keys. The unpadded row is unharmed.
+    The counter starts at the padded prefill width, so a row with ``p`` padding tokens writes
+    its next token at ``len + p`` instead of ``len``: RoPE distances to its cached keys are
+    ``p`` too long and the window mask drops its ``p`` oldest visible keys. The unpadded row is
+    unharmed.
     """
 
     def __init__(self, model, batch_size, window, capacity):
