@@ -43,6 +43,8 @@ LINE_COLORS = [OKABE_ITO[c] for c in (
     "blue", "orange", "green", "purple", "black", "vermillion", "sky", "yellow")]
 LINE_MARKERS = ["o", "s", "^", "D", "v", "P", "X", "*"]
 LINE_DASHES = ["-", "--", "-.", ":", "-", "--", "-.", ":"]
+# markers at most every 6% of the axes' diagonal: a dense line gets a few, a sparse one all
+MARK_EVERY = 0.06
 
 
 def line_cycle() -> mpl.cycler:
@@ -52,7 +54,7 @@ def line_cycle() -> mpl.cycler:
     ['#0072B2', '#E69F00']
     """
     return (mpl.cycler(color=LINE_COLORS) + mpl.cycler(marker=LINE_MARKERS)
-            + mpl.cycler(linestyle=LINE_DASHES))
+            + mpl.cycler(linestyle=LINE_DASHES) + mpl.cycler(markevery=[MARK_EVERY] * 8))
 
 
 def _inline_svg() -> None:
