@@ -52,3 +52,31 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0)
     cos, sin = emb.cos().to(work), emb.sin().to(work)
     xw = x.to(work)
     return (xw * cos + rotate_half(xw) * sin).to(x.dtype)
+
+
+def float32_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Angles as Hugging Face's rotary modules compute them (transformers 5.24), in float32.
+
+    ``inv_freq = 1 / theta ** (arange(0, D, 2) / D)`` and ``pos * inv_freq`` are both float32,
+    whatever the model's dtype, so an angle of ``a`` radians carries an error up to ~``a * 6e-8``.
+    """
+    rope_angles(positions[:1], head_dim, theta)  # same argument checks
+    even = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+    inv_freq = 1.0 / (theta ** (even.float() / head_dim))  # (head_dim // 2,) float32
+    return positions[..., None].float() * inv_freq
+
+
+def rotation_error(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Per position, how far a unit pair rotated with float32 angles lands from the exact one.
+
+    ``|e^{i a32} - e^{i a64}| = 2 |sin((a32 - a64) / 2)|``, the worst pair of the head (float64
+    ``(...,)``). A key and a query at large positions each carry such an error, so their score
+    is computed for a slightly wrong distance.
+
+    >>> err = rotation_error(torch.tensor([10, 10**7]), head_dim=64, theta=1e4)
+    >>> bool(err[0] < 1e-5 < 1e-2 < err[1])
+    True
+    """
+    exact = rope_angles(positions, head_dim, theta)  # float64
+    delta = float32_angles(positions, head_dim, theta).double() - exact
+    return (2 * (delta / 2).sin().abs()).amax(dim=-1)

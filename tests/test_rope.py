@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringviz import apply_rope
-from ringviz.rope import rope_angles
+from ringviz.rope import float32_angles, rope_angles, rotation_error
 
 
 def rope_by_formula(x: torch.Tensor, pos: int, theta: float) -> torch.Tensor:
@@ -80,3 +80,26 @@ def test_bad_inputs():
         apply_rope(torch.randn(1, 1, 3, 7), torch.arange(3)[None])
     with pytest.raises(ValueError, match=r"\(B, H, T, D\)"):
         apply_rope(torch.randn(3, 8), torch.arange(3)[None])
+
+
+def test_float32_angles_are_hugging_face_angles_bit_for_bit():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=1e5,
+                      max_position_embeddings=4096)
+    pos = torch.tensor([[0, 7, 10**4, 10**5, 10**6, 10**7]])
+    cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, 1, dtype=torch.float64), pos)
+    ang = float32_angles(pos, 64, 1e5)  # (1, 6, 32)
+    assert torch.equal(cos[..., :32], ang.cos().double())
+    assert torch.equal(sin[..., :32], ang.sin().double())
+
+
+def test_rotation_error_grows_with_position_and_is_zero_at_0():
+    pos = torch.tensor([0, 10**4, 10**5, 10**6, 10**7])
+    err = rotation_error(pos, 64, 1e4)
+    assert err[0] == 0
+    assert err[1] < 1e-3 < err[3] and err[4] > 0.1  # a tenth of a radian at 10 million
+    assert torch.all(err[1:] > 0)
+    with pytest.raises(ValueError, match="head_dim"):
+        rotation_error(pos, 7, 1e4)

@@ -52,6 +52,18 @@ def test_set_style_uses_the_colour_blind_safe_cycle():
     assert set(viz.STATE_COLORS) == {"visible", "stale", "future", "empty"}
 
 
+def test_latency_lines_differ_in_colour_marker_and_dash():
+    viz.set_style()
+    rows = [{"method": m, "window": w, "ms_per_token": 0.1 * i + w}
+            for i, m in enumerate("abcdef") for w in (4, 8)]
+    lines = viz.plot_latency(rows).get_lines()
+    looks = {(ln.get_color(), ln.get_marker(), ln.get_linestyle()) for ln in lines}
+    assert len(lines) == len(looks) == 6
+    assert len({ln.get_marker() for ln in lines}) == 6  # not by hue alone
+    warm = [i for i, ln in enumerate(lines) if ln.get_color() in ("#E69F00", "#D55E00")]
+    assert warm == [1, 5]  # orange and vermillion never drawn side by side in the cycle
+
+
 def test_ring_row_shows_positions_eviction_and_caption(decode_trace):
     ax = viz.draw_ring_row(decode_trace, frame=2)
     assert isinstance(ax, Axes)
@@ -312,3 +324,12 @@ def test_padded_batch_reads_slots_from_the_ring():
     assert texts.count("-") == 1
     with pytest.raises(ValueError, match=r"\(B, 4\)"):
         viz.draw_padded_batch(pos.numpy(), cache.positions.numpy()[:, :3], 4)
+
+
+def test_rotation_shows_the_distance_the_query_sees():
+    right, wrong = viz.draw_rotation(query_pos=9, key_pos=6, window=4)
+    assert "3 tokens back" in " ".join(_texts(right))
+    assert "7 tokens back" in " ".join(_texts(wrong))  # slot 6 % 4 = 2, so 9 - 2
+    assert "6 % 4 = 2" in wrong.get_title()
+    with pytest.raises(ValueError, match="key_pos"):
+        viz.draw_rotation(query_pos=3, key_pos=6, window=4)

@@ -103,13 +103,13 @@ def _plot_bench_latency(rows: Sequence[dict], bench: str, ylabel: str, title: st
 def plot_update(rows: Sequence[dict], ax=None):
     """Latency of one cache write vs W, log-log, one line per impl."""
     return _plot_bench_latency(rows, "update", "ms per cache write (median)",
-                               "bench=update: one token into a full window", ax)
+                               "Storing one token in a full window", ax)
 
 
 def plot_decode(rows: Sequence[dict], ax=None):
     """Latency of write + one query's attention vs W, one line per impl."""
     return _plot_bench_latency(rows, "decode_step", "ms per decode step (median)",
-                               "bench=decode_step: write + attention over W keys", ax)
+                               "A whole decode step: store one token, attend over W keys", ax)
 
 
 def plot_memory(rows: Sequence[dict], ax=None):
@@ -126,13 +126,12 @@ def plot_memory(rows: Sequence[dict], ax=None):
     for line in ax.get_lines():  # one color per impl: solid = cache bytes, dashed = RSS
         impl = line.get_label().split(":")[0]
         line.set_color(colors.setdefault(impl, line.get_color()))
-        if "RSS" in line.get_label():
-            line.set_linestyle("--")
+        line.set_linestyle("--" if "RSS" in line.get_label() else "-")
     ax.legend()
     ax.set_xscale("log")
     ax.set_xlabel("decode steps")
     ax.set_ylabel("MiB")
-    ax.set_title("bench=memory")
+    ax.set_title("Memory over a long decode")
     return ax
 
 

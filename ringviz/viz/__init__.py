@@ -24,6 +24,7 @@ Usage in a chapter::
     viz.draw_decode_mask(query_pos=9, positions=[8, 9, 2, 3], window=4)
     viz.draw_band_mask(range(4, 8), range(0, 8), window=4)
     viz.draw_rope_angles(t, frame=-1)
+    viz.draw_rotation(query_pos=9, key_pos=6, window=4)  # RoPE at position vs at slot
     viz.plot_memory([{"cache": "ring", "tokens": 64, "bytes": 4096}, ...])
     viz.plot_latency([{"method": "ring", "window": 512, "ms_per_token": 0.2}, ...])
 
@@ -45,6 +46,7 @@ from ringviz.viz.plots import (
     draw_band_mask,
     draw_decode_mask,
     draw_rope_angles,
+    draw_rotation,
     plot_latency,
     plot_memory,
 )
@@ -66,6 +68,7 @@ __all__ = [
     "draw_ring_circle",
     "draw_ring_row",
     "draw_rope_angles",
+    "draw_rotation",
     "interactive_stepper",
     "plot_latency",
     "plot_memory",

@@ -106,6 +106,55 @@ def draw_rope_angles(trace: Trace, frame: int = -1, *, row: int = 0,
     return ax
 
 
+def _rotation_panel(ax: Axes, query_pos: int, key_pos: int, key_angle_pos: int,
+                    step: float, title: str, color: str) -> None:
+    """Unit circle with the query and key of one RoPE pair as arrows, and the arc between them."""
+    ax.add_patch(plt.Circle((0, 0), 1.0, fill=False, color=EDGE_COLOR, lw=0.8, ls=":"))
+    for p in range(query_pos + 1):  # where each position would put a vector: the dial
+        a = p * step
+        ax.plot([0.93 * np.cos(a), 1.0 * np.cos(a)], [0.93 * np.sin(a), 1.0 * np.sin(a)],
+                color=EDGE_COLOR, lw=0.8, marker="none", ls="-")
+        ax.text(1.14 * np.cos(a), 1.14 * np.sin(a), str(p), ha="center", va="center",
+                fontsize=9, color=EDGE_COLOR)
+    aq, ak = query_pos * step, key_angle_pos * step
+    for a, c in ((aq, OKABE_ITO["blue"]), (ak, color)):
+        ax.annotate("", (0.85 * np.cos(a), 0.85 * np.sin(a)), (0, 0),
+                    arrowprops={"arrowstyle": "-|>", "color": c, "lw": 2.2})
+    arc = np.linspace(ak, aq, 40)
+    ax.plot(0.35 * np.cos(arc), 0.35 * np.sin(arc), color=color, lw=1.5, ls="-", marker="none")
+    ax.text(0, -1.5, f"blue: query at {query_pos}; key at {key_pos}, turned as {key_angle_pos}\n"
+            f"angle between them: {query_pos - key_angle_pos} steps,\n"
+            f"the score of a key {query_pos - key_angle_pos} tokens back", ha="center",
+            va="center", fontsize=10, color=color)
+    ax.set_xlim(-1.3, 1.3)
+    ax.set_ylim(-1.9, 1.3)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(title, fontsize=11)
+
+
+def draw_rotation(query_pos: int, key_pos: int, window: int, *, step: float = np.pi / 7,
+                  axes: Sequence[Axes] | None = None) -> Sequence[Axes]:
+    """One RoPE pair of a key and a query: rotated at the absolute position vs at the slot (ch. 4).
+
+    Each position turns the pair by ``step`` radians. The score only sees the angle between
+    query and key; rotated at its slot ``key_pos % window`` a key looks ``query_pos - slot``
+    tokens back instead of ``query_pos - key_pos``.
+    """
+    if not 0 <= key_pos <= query_pos or window <= 0:
+        raise ValueError(f"need 0 <= key_pos <= query_pos and window > 0, got key_pos={key_pos},"
+                         f" query_pos={query_pos}, window={window}")
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(BOOK_WIDTH, 3.9))
+    slot = key_pos % window
+    _rotation_panel(axes[0], query_pos, key_pos, key_pos, step,
+                    f"rotated at its position {key_pos} (right)", OKABE_ITO["green"])
+    _rotation_panel(axes[1], query_pos, key_pos, slot, step,
+                    f"rotated at its slot {key_pos} % {window} = {slot} (wrong)",
+                    OKABE_ITO["vermillion"])
+    return axes
+
+
 def _check_rows(rows: Sequence[dict], keys: tuple[str, ...], name: str) -> None:
     if not rows:
         raise ValueError(f"{name} needs at least one row")
@@ -118,10 +167,11 @@ def _check_rows(rows: Sequence[dict], keys: tuple[str, ...], name: str) -> None:
 
 
 def _lines(rows: Sequence[dict], x: str, y: str, group: str, ax: Axes) -> None:
-    """One line per ``group`` value, points sorted by ``x``, markers on measured points."""
+    """One line per ``group`` value, points sorted by ``x``; colour, marker and dash from the
+    style's cycle (``style.line_cycle``), so no two lines differ by hue alone."""
     for name in dict.fromkeys(r[group] for r in rows):
         pts = sorted((r[x], r[y]) for r in rows if r[group] == name)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=str(name))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=str(name))
 
 
 def plot_memory(rows: Sequence[dict], *, x: str = "tokens", y: str = "bytes",

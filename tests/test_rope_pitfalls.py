@@ -1,0 +1,64 @@
+"""The RoPE pitfalls of chapter 4 on tiny random Llama / Gemma 3 models: symptom, then the fix."""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from ringviz.models.bugs import first_divergence  # noqa: E402
+from ringviz.models.drive import RingRunner, ring_logits  # noqa: E402
+from ringviz.models.reference import reference_logits  # noqa: E402
+from ringviz.models.rope_pitfalls import (  # noqa: E402
+    BatchCounterRunner,
+    DoubleRopeRunner,
+    OneBaseRunner,
+    rope_bases,
+)
+from tests.test_models_drive import EXACT, tiny_gemma, tiny_llama, tokens  # noqa: E402
+
+
+def test_double_rotation_is_right_only_at_position_0(device):
+    model, window = tiny_llama(device), 8
+    ids = tokens(20, device)
+    ref = reference_logits(model, ids, window)
+    twice = ring_logits(DoubleRopeRunner(model, 1, window, len(ids)), [ids], [6])[0]
+    once = ring_logits(RingRunner(model, 1, window, len(ids)), [ids], [6])[0]
+    assert (twice[0] - ref[0]).abs().max() < EXACT  # angle 0: rotating twice changes nothing
+    assert first_divergence(twice, ref, tol=1e-6) == 1
+    assert (once - ref).abs().max() < EXACT  # the fix: rotate once
+
+
+def test_batch_counter_breaks_only_the_padded_row(device):
+    model, window = tiny_llama(device), 8
+    rows = [tokens(22, device), tokens(16, device, offset=1)]  # prompts 12 and 6: row 1 padded
+    lengths = [12, 6]
+    refs = [reference_logits(model, r, window) for r in rows]
+    bad = ring_logits(BatchCounterRunner(model, 2, window, 30), rows, lengths)
+    good = ring_logits(RingRunner(model, 2, window, 30), rows, lengths)
+    assert (bad[0] - refs[0]).abs().max() < EXACT  # no padding, counter == its own position
+    assert first_divergence(bad[1], refs[1], tol=1e-6) == lengths[1]  # first decode step
+    assert (bad[1][:lengths[1]] - refs[1][:lengths[1]]).abs().max() < EXACT  # prefill is right
+    assert all((g - r).abs().max() < EXACT for g, r in zip(good, refs, strict=True))
+
+
+def test_batch_counter_refuses_decode_before_prefill(device):
+    runner = BatchCounterRunner(tiny_llama(device), 1, 8, 10)
+    with pytest.raises(ValueError, match="after a prefill"):
+        runner.forward(tokens(1, device)[None], torch.zeros(1, 1, dtype=torch.int64, device=device))
+
+
+def test_one_base_for_gemma_breaks_local_layers(device):
+    model = tiny_gemma(device)
+    assert rope_bases(model) == {"sliding_attention": 1e4, "full_attention": 1e6}
+    ids = tokens(20, device)
+    ref = reference_logits(model, ids, None)
+    bad = ring_logits(OneBaseRunner(model, 1, None, len(ids)), [ids], [8])[0]
+    good = ring_logits(RingRunner(model, 1, None, len(ids)), [ids], [8])[0]
+    assert (bad[0] - ref[0]).abs().max() < EXACT  # position 0: angle 0 in any base
+    assert first_divergence(bad, ref, tol=1e-6) == 1
+    assert (good - ref).abs().max() < EXACT
+
+
+def test_one_base_needs_two_layer_types(device):
+    with pytest.raises(ValueError, match="sliding and full"):
+        OneBaseRunner(tiny_llama(device), 1, 8, 10)
