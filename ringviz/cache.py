@@ -424,14 +424,14 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     B, Hq, T, D = q.shape
     Hkv, Tk, S = k.shape[1], k.shape[2], sink_keys.shape[3]
     G = Hq // Hkv
-    grouped = q.reshape(B, Hkv, G, T, D)  # HF repeat_kv order: head h reads KV head h // G
-    rest = torch.matmul(q.reshape(B, Hkv, G * T, D), k[:, :, S:].transpose(-1, -2))
-    sink = torch.einsum("bhgtd,bhtsd->bhgts", grouped, sink_keys)  # (B, Hkv, G, T, S)
-    work = torch.promote_types(q.dtype, torch.float32)
-    scores = torch.cat([sink, rest.view(B, Hkv, G, T, Tk - S)], dim=-1).to(work)
-    scores = scores * (D ** -0.5 if scale is None else scale)
+    q = q * (D ** -0.5 if scale is None else scale)  # scaled once, on T rows, not Tk columns
+    # every column first (a view of the storage, no copy), then the sink columns overwritten
+    scores = torch.matmul(q.reshape(B, Hkv, G * T, D), k.transpose(-1, -2))
+    scores = scores.view(B, Hkv, G, T, Tk)  # HF repeat_kv order: head h reads KV head h // G
+    scores[..., :S] = torch.einsum("bhgtd,bhtsd->bhgts", q.reshape(B, Hkv, G, T, D), sink_keys)
     seen = mask[:, None, None]  # (B, 1, 1, T, Tk)
-    weights = scores.masked_fill(~seen, float("-inf")).softmax(dim=-1)
-    weights = weights.masked_fill(~seen.any(dim=-1, keepdim=True), 0.0)  # nothing visible: 0
+    scores = scores.to(torch.promote_types(q.dtype, torch.float32))
+    weights = scores.masked_fill_(~seen, float("-inf")).softmax(dim=-1)
+    weights = weights.masked_fill_(~seen.any(dim=-1, keepdim=True), 0.0)  # nothing visible: 0
     out = torch.matmul(weights.to(v.dtype).view(B, Hkv, G * T, Tk), v)  # (B, Hkv, G*T, D)
     return out.view(B, Hq, T, D)

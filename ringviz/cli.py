@@ -74,7 +74,8 @@ def _cmd_perplexity(args: argparse.Namespace) -> dict:
 def _cmd_bench(args: argparse.Namespace) -> dict:
     from ringviz.bench import run_bench
 
-    return run_bench(quick=args.quick, device=args.device, plot_dir=args.plot_dir)
+    return run_bench(quick=args.quick, device=args.device, plot_dir=args.plot_dir,
+                     only_sinks=args.sinks_only)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -116,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (< 2 min on 2 CPUs)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--plot-dir", default=None, help="also write the plots (PNG) here")
+    bench.add_argument("--sinks-only", action="store_true",
+                       help="only the attention-sink benches (sinks_update, sinks_decode)")
     bench.set_defaults(func=_cmd_bench)
 
     for p in (demo, eq, ppl, bench):

@@ -53,6 +53,7 @@ class BenchConfig:
     memory_batch: int = 1
     memory_kv_heads: int = 1
     memory_head_dim: int = 64
+    memory: bool = True  # bench="memory": ring vs growing cache over a long decode
     model: bool = True  # bench="model": Gemma-3-270M, ring vs HF default cache
     model_prompt_tokens: int = 600  # longer than Gemma 3's window of 512
     model_new_tokens: int = 64
@@ -67,6 +68,11 @@ class BenchConfig:
 FULL = BenchConfig()
 QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
                 model=False)
+
+
+def sinks_only(config: BenchConfig) -> BenchConfig:
+    """``config`` with only the sinks benches (``--sinks-only``): no update, memory or model."""
+    return replace(config, update_windows=(), decode_windows=(), memory=False, model=False)
 
 
 def _log(message: str) -> None:
@@ -146,11 +152,17 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
         shape = Shape(config.batch, config.kv_heads, config.q_heads, config.head_dim,
                       getattr(torch, config.dtype), device)
         with torch.inference_mode():
-            rows = _timing_rows("update", UPDATE_IMPLS, config.update_windows, shape, config)
-            rows += _timing_rows("decode_step", DECODE_IMPLS, config.decode_windows, shape,
-                                 config)
-            rows += _sink_rows(config, device)
-        rows += _memory_rows(config, device)
+            rows = []
+            if config.update_windows:
+                rows += _timing_rows("update", UPDATE_IMPLS, config.update_windows, shape,
+                                     config)
+            if config.decode_windows:
+                rows += _timing_rows("decode_step", DECODE_IMPLS, config.decode_windows, shape,
+                                     config)
+            if config.sink_windows:
+                rows += _sink_rows(config, device)
+        if config.memory:
+            rows += _memory_rows(config, device)
         if config.model:
             from ringviz.bench.model import model_rows
 
@@ -167,9 +179,11 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
     return result
 
 
-def run_bench(quick: bool, device: str, plot_dir: str | Path | None) -> dict:
+def run_bench(quick: bool, device: str, plot_dir: str | Path | None,
+              only_sinks: bool = False) -> dict:
     """The CLI's entry: the quick configuration (every row but ``model``) or the full one."""
-    return run(QUICK if quick else FULL, device=device, plot_dir=plot_dir)
+    config = QUICK if quick else FULL
+    return run(sinks_only(config) if only_sinks else config, device=device, plot_dir=plot_dir)
 
 
-__all__ = ["FULL", "QUICK", "BenchConfig", "run", "run_bench"]
+__all__ = ["FULL", "QUICK", "BenchConfig", "run", "run_bench", "sinks_only"]
