@@ -211,6 +211,11 @@ class RingKVCache:
             raise ValueError(f"Hq={q.shape[1]} query heads is not a positive multiple of "
                              f"n_kv_heads={self.num_kv_heads}")
 
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """Raise if ``positions`` (B, T) could not be written next, writing nothing."""
+        check_tensor("positions", positions, self.device)
+        self._check_positions(positions, positions.shape[-1] if positions.ndim else -1)
+
     def check_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    positions: torch.Tensor, *, scale: float | None = None) -> None:
         """Raise exactly what :meth:`step` would reject, writing nothing."""

@@ -1,5 +1,7 @@
 """The ring decode path and the bug runners on tiny random Llama / Gemma 3 models (seconds)."""
 
+import hashlib
+
 import pytest
 import torch
 
@@ -124,14 +126,24 @@ def test_bugs_diverge_where_predicted(device, bug, first):
     model, window = tiny_llama(device), 8
     ids = tokens(30, device)
     _, cls, capacity = BUGS[bug]
-    ring = ring_logits(cls(model, 1, capacity(window), len(ids)), [ids], [12])[0]
+    ring = ring_logits(cls(model, 1, capacity(window), len(ids)), [ids], [12],
+                       prefill_chunk=12)[0]  # the 12-token prompt in one call
     assert first_divergence(ring, reference_logits(model, ids, window), tol=1e-9) == first
+
+
+def test_chunked_prefill_delays_chunk_first_to_the_second_chunk(device):
+    """Chunks of W fit the ring, so write-before-attend first loses keys in chunk 2."""
+    model, window = tiny_llama(device), 8
+    ids = tokens(30, device)
+    _, cls, capacity = BUGS["chunk_first"]
+    ring = ring_logits(cls(model, 1, capacity(window), len(ids)), [ids], [12])[0]
+    assert first_divergence(ring, reference_logits(model, ids, window), tol=1e-9) == window
 
 
 def test_shared_ring_crosstalk_hits_the_second_row(device):
     model, window = tiny_llama(device), 8
     rows = [tokens(20, device), tokens(20, device, offset=1)]
-    ring = ring_logits(SharedRingRunner(model, 2, window, 20), rows, [12, 12])
+    ring = ring_logits(SharedRingRunner(model, 2, window, 20), rows, [12, 12], prefill_chunk=12)
     refs = [reference_logits(model, r, window) for r in rows]
     assert first_divergence(ring[1], refs[1], tol=1e-9) == 12 - window  # sees row 0's keys
     assert first_divergence(ring[0], refs[0], tol=1e-9) == 12  # then row 0 sees row 1's
@@ -162,3 +174,102 @@ def test_bad_inputs_raise(device):
         ring_logits(RingRunner(model, 2, 4, 10), [tokens(5, device), tokens(6, device)], [2, 2])
     with pytest.raises(ValueError, match="one sequence"):
         reference_logits(model, tokens(4, device)[None], 4)
+
+
+# ---------------------------------------------------------------- hardening (issue 9)
+def runner_hash(runner) -> str:
+    """sha256 over every stored tensor of every layer (spare slots included)."""
+    digest = hashlib.sha256()
+    for c in runner.caches:
+        for t in (c._k_store, c._v_store, c._pos_store, c._last_pos):
+            digest.update(t.cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_position_past_capacity_refused_before_any_layer_writes(device):
+    model = tiny_gemma(device, window=6)
+    ids = tokens(30, device)
+    runner = RingRunner(model, 1, None, capacity=12)
+    ring_logits(runner, [ids[:12]], [8])  # positions 0..11 fit
+    before = runner_hash(runner)
+    with pytest.raises(ValueError, match="position 12 is at or past the runner's capacity=12"):
+        runner.forward(ids[None, 12:13], torch.tensor([[12]], device=device))
+    assert runner_hash(runner) == before
+    with pytest.raises(ValueError, match="capacity=12"):
+        ring_logits(RingRunner(model, 1, None, capacity=12), [ids], [11])
+    fresh = RingRunner(model, 1, None, capacity=5)
+    with pytest.raises(ValueError, match="capacity=5"):
+        ring_generate(fresh, [ids[:3]], 4)  # would feed positions up to 5
+    assert all(int(c.positions.max()) == -1 for c in fresh.caches)  # nothing written
+
+
+class Interrupt(KeyboardInterrupt):
+    pass
+
+
+def test_interrupted_forward_refuses_until_reset_then_equals_clean_run(device, monkeypatch):
+    model = tiny_gemma(device, window=6)
+    ids = tokens(12, device)
+    clean = ring_logits(RingRunner(model, 1, None, capacity=12), [ids], [8])[0]
+    runner = RingRunner(model, 1, None, capacity=12)
+    runner.prefill(ids[None, :8], torch.arange(8, device=device)[None])
+    layer1 = runner.caches[1]
+    monkeypatch.setattr(layer1, "step", lambda *a, **k: (_ for _ in ()).throw(Interrupt()))
+    with pytest.raises(Interrupt):  # Ctrl-C in layer 1: layer 0 already holds position 8
+        runner.forward(ids[None, 8:9], torch.tensor([[8]], device=device))
+    monkeypatch.undo()
+    assert int(runner.caches[0]._last_pos) == 8 and int(layer1._last_pos) == 7
+    for pos in (8, 9):  # neither the retry nor the next position is silently decoded
+        with pytest.raises(RuntimeError, match=r"left mid-step.*runner.reset\(\)"):
+            runner.forward(ids[None, pos:pos + 1], torch.tensor([[pos]], device=device))
+    runner.reset()
+    assert torch.equal(ring_logits(runner, [ids], [8])[0], clean)
+
+
+def test_refused_input_does_not_mark_the_runner_mid_step(device):
+    model = tiny_llama(device)
+    ids = tokens(10, device)
+    runner = RingRunner(model, 1, 4, capacity=10)
+    runner.prefill(ids[None, :5], torch.arange(5, device=device)[None])
+    before = runner_hash(runner)
+    with pytest.raises(ValueError, match="not after the row's cached positions"):
+        runner.forward(ids[None, 5:6], torch.tensor([[3]], device=device))
+    assert runner_hash(runner) == before
+    runner.forward(ids[None, 5:6], torch.tensor([[5]], device=device))  # still usable
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma])
+@pytest.mark.parametrize("chunk", [1, 3, 6, 7, 40])
+def test_chunked_prefill_equals_one_call(device, make, chunk):
+    model = make(device)
+    rows, lengths = ragged_rows(tokens(80, device), batch=3, prompt_tokens=21, new_tokens=4)
+    one = ring_logits(RingRunner(model, 3, 6, capacity=25), rows, lengths, prefill_chunk=21)
+    chunked = ring_logits(RingRunner(model, 3, 6, capacity=25), rows, lengths,
+                          prefill_chunk=chunk)
+    for a, b in zip(one, chunked):
+        assert (a - b).abs().max() < 1e-12  # float64: summation order only
+
+
+def test_prefill_default_chunk_and_last_only(device):
+    model = tiny_gemma(device, window=6)
+    ids = tokens(20, device)
+    runner = RingRunner(model, 1, None, capacity=20)
+    assert runner.prefill_chunk == 6  # the smallest ring, not the full layer's 20
+    pos = torch.arange(20, device=device)[None]
+    last = runner.prefill(ids[None], pos, last_only=True)
+    assert last.shape == (1, 1, model.config.vocab_size)
+    full = RingRunner(model, 1, None, capacity=20).prefill(ids[None], pos)
+    assert (last[0, 0] - full[0, -1]).abs().max() < 1e-12
+    with pytest.raises(ValueError, match="chunk must be >= 1"):
+        runner.prefill(ids[None], pos, chunk=0)
+
+
+def test_chunked_prefill_checks_the_whole_prompt_first(device):
+    model = tiny_llama(device)
+    ids = tokens(12, device)
+    runner = RingRunner(model, 1, 4, capacity=12)
+    before = runner_hash(runner)
+    bad = torch.tensor([list(range(8)) + [7, 8, 9, 10]], device=device)  # repeat in chunk 3
+    with pytest.raises(ValueError, match="strictly increase"):
+        runner.prefill(ids[None], bad)
+    assert runner_hash(runner) == before

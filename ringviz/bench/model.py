@@ -37,7 +37,7 @@ def _hf_decode(model, ids: torch.Tensor):
 def _ring_decode(runner, ids: torch.Tensor):
     """The ring path: a prefill into the runner's rings; a step fn and a bytes fn."""
     positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)  # (B, P)
-    first = runner.forward(ids, positions)[:, -1]
+    first = runner.prefill(ids, positions, last_only=True)[:, -1]  # chunks of W
     pos = torch.full((ids.shape[0], 1), ids.shape[1] - 1, dtype=torch.int64, device=ids.device)
 
     def step(token: torch.Tensor) -> torch.Tensor:

@@ -109,11 +109,17 @@ def _score(logits: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
 
 def _decode(runner_cls: type[RingRunner], capacity: int, model, rows: list[torch.Tensor],
             prompt_tokens: int, gen_tokens: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """Teacher-forced logits of both rows, and row 0's greedy continuation."""
+    """Teacher-forced logits of both rows, and row 0's greedy continuation.
+
+    The prompt goes in as one call (``prefill_chunk=prompt_tokens``), as the table above
+    describes; chunked prefill would delay chunk_first's symptom to the second chunk.
+    """
     total = prompt_tokens + max(len(rows[0]) - prompt_tokens, gen_tokens)
-    logits = ring_logits(runner_cls(model, 2, capacity, total), rows, [prompt_tokens] * 2)
+    logits = ring_logits(runner_cls(model, 2, capacity, total), rows, [prompt_tokens] * 2,
+                         prefill_chunk=prompt_tokens)
     prompts = [r[:prompt_tokens] for r in rows]
-    words = ring_generate(runner_cls(model, 2, capacity, total), prompts, gen_tokens)[0]
+    words = ring_generate(runner_cls(model, 2, capacity, total), prompts, gen_tokens,
+                          prefill_chunk=prompt_tokens)[0]
     return logits, words
 
 

@@ -1,9 +1,15 @@
 """The ring decode path on a real model: Hugging Face's layers, ringviz's ``RingKVCache``.
 
 Hugging Face computes everything around attention (embeddings, RMSNorm, q/k/v projections,
-RoPE at the positions we pass, MLP, logits) with its own modules, so float64 runs agree with
-its float32-angle RoPE and float32 RMSNorm to the last bit. What it hands to attention is the
-new tokens' rotated ``q``, ``k``, ``v``; we register an attention function under the name
+RoPE at the positions we pass, MLP, logits) with its own modules, so the ring path and an HF
+reference share every op but attention. In a float64 model that means HF's RoPE angles, which
+it computes in float32 even then, and RMSNorms in float64 (``load_model(float64)`` patches
+them: HF's float32 norm alone makes a decode and a full forward differ by ~1e-8). The float64
+tolerances of the tests and chapters (<= 1e-10) assume the reference runs attention through
+PyTorch SDPA (``attn_implementation="sdpa"``, what ``load_model`` sets): HF's "eager"
+attention takes its softmax in float32 even in float64 models, so an eager reference differs
+by ~1e-7 (8.5e-8 measured, vs 5.6e-17 for sdpa). What HF hands to attention is the new tokens'
+rotated ``q``, ``k``, ``v``; we register an attention function under the name
 ``"ringviz_ring"`` that sends them to the layer's ring::
 
     q, k, v (rotated at absolute positions) -> RingKVCache.step -> write slot pos % W
@@ -12,7 +18,15 @@ new tokens' rotated ``q``, ``k``, ``v``; we register an attention function under
 No Hugging Face cache is built (``use_cache=False``) and no HF mask is made (masks come from the
 ring's stored positions), so the ring is the only KV state. Sliding layers get a ring of
 capacity ``window``; a full-attention layer (Gemma 3's 5, 11, 17) gets a ``RingKVCache`` whose
-capacity covers the whole run, so it never wraps: a preallocated full cache.
+capacity covers the whole run, so it never wraps: a preallocated full cache. A position at or
+past ``capacity`` is refused before any layer is written (past it a full layer would silently
+become a sliding one).
+
+Prompts are fed in chunks (:meth:`RingRunner.prefill`, default chunk = the smallest window), so
+a prefill's attention scores and activations are bounded by the chunk, not the prompt; the ring
+is exact for any chunk schedule. A forward stopped after some layers wrote (an exception, or
+Ctrl-C in a notebook) leaves the layers out of step: the runner then refuses every call until
+:meth:`RingRunner.reset`, rather than decode from a cache whose layers disagree.
 """
 
 from __future__ import annotations
@@ -23,6 +37,7 @@ from contextlib import contextmanager
 import torch
 
 from ringviz.cache import RingKVCache
+from ringviz.checks import check_int
 
 ATTN_NAME = "ringviz_ring"
 
@@ -96,9 +111,8 @@ class RingRunner:
     """One model's KV state in ``RingKVCache`` objects, one per layer, for a batch of rows."""
 
     def __init__(self, model, batch_size: int, window: int | None, capacity: int) -> None:
-        """``capacity``: positions the run may reach (sizes the full layers' caches)."""
-        if capacity <= 0:
-            raise ValueError(f"capacity must be positive, got {capacity}")
+        """``capacity``: positions the run may reach, 0 .. capacity-1 (sizes the full layers)."""
+        self.capacity = check_int("capacity", capacity)
         _register()
         with attention_implementation(model, ATTN_NAME):  # validates the name once
             pass
@@ -112,6 +126,15 @@ class RingRunner:
                         dtype=param.dtype, device=param.device)
             for w in self.windows
         ]
+        # default prefill chunk: the smallest ring, so a chunk's scores are at most (W, 2W)
+        self.prefill_chunk = min(w or capacity for w in self.windows)
+        self._mid_step = False  # True from a layer's first write until its forward completes
+
+    def reset(self) -> None:
+        """Empty every layer's cache: the way back after an interrupted forward."""
+        for cache in self.caches:
+            cache.reset()
+        self._mid_step = False
 
     @property
     def nbytes(self) -> int:
@@ -124,20 +147,77 @@ class RingRunner:
 
         Every layer of one forward gets the same positions and shapes, and all rings advance
         together, so validating at layer 0 (before anything is written) covers them all and
-        spares the other layers the host sync.
+        spares the other layers the host sync. From the first write on, the runner counts as
+        mid-step until the forward returns (see :meth:`forward`).
         """
-        return self.caches[layer].step(q, k, v, positions, scale=scale, check=layer == 0)
+        cache = self.caches[layer]
+        if layer == 0:
+            cache.check_step(q, k, v, positions, scale=scale)  # a refusal writes nothing
+        self._mid_step = True
+        return cache.step(q, k, v, positions, scale=scale, check=False)
 
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits ``(B, T, vocab)`` of ``T`` new tokens per row; -1 positions are padding."""
+    def _check_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """Refuse a call on a runner left mid-step, mismatched shapes, positions past capacity."""
+        if self._mid_step:
+            raise RuntimeError(
+                "the ring cache was left mid-step: an earlier forward stopped (an exception or "
+                "an interrupt) after some layers had written, so the layers now hold different "
+                "positions. Call runner.reset() and feed the sequence again from its start.")
+        for name, t in (("input_ids", input_ids), ("positions", positions)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if input_ids.shape != positions.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions "
                              f"{tuple(positions.shape)} differ")
+        newest = int(positions.max()) if positions.numel() else -1
+        if newest >= self.capacity:
+            raise ValueError(f"position {newest} is at or past the runner's capacity="
+                             f"{self.capacity} (positions 0..{self.capacity - 1}): its full-"
+                             f"attention layers would drop tokens; make a RingRunner with a "
+                             f"larger capacity")
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        """Logits ``(B, T, vocab)`` of ``T`` new tokens per row; -1 positions are padding.
+
+        ``logits_to_keep=n`` computes only the last ``n`` columns' logits (HF's argument; 0 =
+        all). Nothing is written when the call is refused.
+        """
+        self._check_call(input_ids, positions)
         with attention_implementation(self.model, ATTN_NAME, one_config=self.one_config):
             out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                             ring_runner=self)
+                             logits_to_keep=logits_to_keep, ring_runner=self)
+        self._mid_step = False  # every layer wrote this forward's tokens
         return out.logits
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, *,
+                chunk: int | None = None, last_only: bool = False) -> torch.Tensor:
+        """Feed a ``(B, T)`` prompt in column chunks of ``chunk`` (default: the smallest window).
+
+        Equal to one forward over the whole prompt (the ring is exact for any chunking), but
+        the attention scores and activations held at once scale with the chunk, not with T.
+        Returns the logits ``(B, T, vocab)``, or with ``last_only`` just the last column's
+        ``(B, 1, vocab)`` (the other chunks then skip the LM head). The whole prompt is checked
+        before its first chunk is written.
+        """
+        chunk = self.prefill_chunk if chunk is None else check_int("chunk", chunk)
+        self._check_call(input_ids, positions)
+        T = positions.shape[1]
+        if T <= chunk:  # one chunk: forward's own layer-0 check covers it
+            return self.forward(input_ids, positions, logits_to_keep=1 if last_only else 0)
+        self.caches[0].check_positions(positions)  # all chunks, before the first write
+        out = None
+        for s in range(0, T, chunk):
+            logits = self.forward(input_ids[:, s:s + chunk], positions[:, s:s + chunk],
+                                  logits_to_keep=1 if last_only else 0)
+            if last_only:
+                out = logits
+            else:  # filled in place: no second copy of T x vocab logits
+                out = logits.new_empty(logits.shape[0], T, logits.shape[2]) if s == 0 else out
+                out[:, s:s + chunk] = logits
+        return out
 
 
 def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,12 +239,14 @@ def left_pad(rows: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
 
 @torch.no_grad()
 def ring_logits(runner: RingRunner, rows: list[torch.Tensor], prompt_lengths: list[int],
-                progress: bool = False) -> list[torch.Tensor]:
+                progress: bool = False, *, prefill_chunk: int | None = None
+                ) -> list[torch.Tensor]:
     """Teacher-forced ring decode: prefill each row's prompt, then one token per step.
 
     ``rows[b]`` holds row b's whole sequence; its first ``prompt_lengths[b]`` tokens are the
-    prompt (one batched, left-padded prefill call), the rest are fed one per decode step.
-    Rows must have the same number of decode tokens. Returns each row's logits ``(L_b, vocab)``.
+    prompt (one batched, left-padded prefill in chunks of ``prefill_chunk`` columns, see
+    :meth:`RingRunner.prefill`), the rest are fed one per decode step. Rows must have the same
+    number of decode tokens. Returns each row's logits ``(L_b, vocab)``.
     """
     from tqdm.auto import tqdm
 
@@ -175,7 +257,7 @@ def ring_logits(runner: RingRunner, rows: list[torch.Tensor], prompt_lengths: li
     pad_id = int(rows[0][0])  # any valid id: padded tokens are never attended to
     ids, positions = left_pad([r[:p] for r, p in zip(rows, prompt_lengths, strict=True)],
                               pad_id)
-    prefill = runner.forward(ids, positions)  # (B, P_max, vocab)
+    prefill = runner.prefill(ids, positions, chunk=prefill_chunk)  # (B, P_max, vocab)
     steps = []
     lengths = torch.tensor(prompt_lengths, device=ids.device)
     for i in tqdm(range(n_new), desc="ring decode", disable=not progress, leave=False):
@@ -187,13 +269,20 @@ def ring_logits(runner: RingRunner, rows: list[torch.Tensor], prompt_lengths: li
 
 
 @torch.no_grad()
-def ring_generate(runner: RingRunner, prompts: list[torch.Tensor],
-                  new_tokens: int) -> list[torch.Tensor]:
-    """Greedy decoding through the ring: each row's ``new_tokens`` next token ids."""
-    if new_tokens <= 0:
-        raise ValueError(f"new_tokens must be positive, got {new_tokens}")
+def ring_generate(runner: RingRunner, prompts: list[torch.Tensor], new_tokens: int, *,
+                  prefill_chunk: int | None = None) -> list[torch.Tensor]:
+    """Greedy decoding through the ring: each row's ``new_tokens`` next token ids.
+
+    The prompts are prefilled in chunks (:meth:`RingRunner.prefill`); the whole run's last
+    position must lie below the runner's capacity, checked before anything is written.
+    """
+    new_tokens = check_int("new_tokens", new_tokens)
     ids, positions = left_pad(prompts, pad_id=int(prompts[0][0]))
-    nxt = runner.forward(ids, positions)[:, -1].argmax(-1)  # (B,)
+    last = int(positions[:, -1].max()) + new_tokens - 1
+    if last >= runner.capacity:
+        raise ValueError(f"generating {new_tokens} tokens reaches position {last}, at or past "
+                         f"the runner's capacity={runner.capacity}")
+    nxt = runner.prefill(ids, positions, chunk=prefill_chunk, last_only=True)[:, -1].argmax(-1)
     out = [nxt]
     pos = positions[:, -1] + 1  # (B,) next absolute position of each row
     for i in range(new_tokens - 1):
