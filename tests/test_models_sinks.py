@@ -114,3 +114,37 @@ def test_gemma_sinks_rotate_with_the_local_base(device):
 def test_runner_rejects_bad_sinks(device, kwargs, error):
     with pytest.raises(error):
         RingRunner(tiny_llama(device), 1, 6, capacity=10, **kwargs)
+
+
+def test_stream_nll_equals_the_references(device):
+    from ringviz.models.perplexity import nll
+    from ringviz.models.streaming import stream_nll
+
+    model, ids = tiny_llama(device), tokens(30, device)
+    with float64_rope_angles(model):
+        got = {c: stream_nll(model, ids, 6, 2, c, chunk=7) for c in ("absolute", "cache")}
+        band = nll(reference_logits(model, ids, 6, 2), ids)
+        streaming = nll(streaming_llm_logits(model, ids, 6, 2), ids)
+    assert (got["absolute"] - band).abs().max() < EXACT
+    assert (got["cache"] - streaming).abs().max() < EXACT
+
+
+def test_streaming_settings_and_long_tokens():
+    from ringviz.models.streaming import long_tokens, settings
+
+    assert settings([8, 16], [0, 2]) == [(8, 0, "absolute"), (8, 2, "absolute"), (8, 2, "cache"),
+                                         (16, 0, "absolute"), (16, 2, "absolute"),
+                                         (16, 2, "cache")]
+
+    def tokenizer(text):
+        return {"input_ids": [ord(c) for c in text]}
+
+    ids, copy = long_tokens(tokenizer, 3 * copy_len(tokenizer) + 5)
+    assert copy == copy_len(tokenizer) and len(ids) == 3 * copy + 5
+    assert torch.equal(ids[:copy], ids[copy:2 * copy])  # the story, repeated
+
+
+def copy_len(tokenizer) -> int:
+    from ringviz.models.text import eval_text
+
+    return len(tokenizer(eval_text().strip() + "\n\n")["input_ids"])
