@@ -127,8 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--sinks", type=_int_list, default=[0, 1, 4])
     stream.add_argument("--tokens", type=_positive_int, default=4096, help="tokens per setting")
     stream.add_argument("--past-window", type=_positive_int, default=256)
-    stream.add_argument("--past-extra", type=_positive_int, default=2048,
-                        help="tokens decoded past max_position_embeddings")
+    stream.add_argument("--past-extra", type=int, default=2048,
+                        help="tokens decoded past max_position_embeddings (0: skip that run)")
     stream.set_defaults(func=_cmd_streaming)
 
     bench = sub.add_parser("bench", help="time the ring against copying windows and HF layers")
