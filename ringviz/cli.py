@@ -32,6 +32,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def _cmd_demo(args: argparse.Namespace) -> dict:
     import numpy as np
 
@@ -127,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     stream.add_argument("--sinks", type=_int_list, default=[0, 1, 4])
     stream.add_argument("--tokens", type=_positive_int, default=4096, help="tokens per setting")
     stream.add_argument("--past-window", type=_positive_int, default=256)
-    stream.add_argument("--past-extra", type=int, default=2048,
+    stream.add_argument("--past-extra", type=_non_negative_int, default=2048,
                         help="tokens decoded past max_position_embeddings (0: skip that run)")
     stream.set_defaults(func=_cmd_streaming)
 

@@ -144,6 +144,13 @@ def test_streaming_settings_and_long_tokens():
     assert torch.equal(ids[:copy], ids[copy:2 * copy])  # the story, repeated
 
 
+def test_run_streaming_rejects_a_negative_past_extra():
+    from ringviz.models.streaming import run_streaming
+
+    with pytest.raises(ValueError, match="past_extra"):
+        run_streaming(past_extra=-1)  # refused before any model is loaded
+
+
 def copy_len(tokenizer) -> int:
     from ringviz.models.text import eval_text
 
