@@ -279,3 +279,20 @@ def test_bad_sinks_or_sink_rope_rejected(kwargs, error, match):
 def test_repr_names_sinks_and_convention():
     text = repr(RingKVCache(1, 1, 4, 8, sinks=2, sink_rope=apply_rope))
     assert "sinks=2" in text and "sink_rope=apply_rope" in text
+
+
+@pytest.mark.parametrize("convention", ["absolute", "cache"])
+def test_unchecked_steps_equal_checked_ones(convention):
+    """check=False (a trusted loop, CUDA-graph capture) computes exactly what check=True does."""
+    q, k, v, positions = make_case(12, 2, 1, 2, 8, [7] + [1] * 9, pad_prob=0.2)
+    a, b = (RingKVCache(2, 1, 4, 8, sinks=2, sink_rope=CONVENTIONS[convention],
+                        dtype=torch.float64) for _ in range(2))
+    safe = positions.clamp(min=0)
+    qr, kr = rope(q, safe), rope(k, safe)
+    t = 0
+    for T in [7] + [1] * 9:
+        sl = slice(t, t + T)
+        args = (qr[:, :, sl], kr[:, :, sl], v[:, :, sl], positions[:, sl])
+        assert torch.equal(a.step(*args), b.step(*args, check=False))
+        t += T
+    assert snapshot(a) == snapshot(b)
