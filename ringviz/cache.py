@@ -12,7 +12,7 @@ Slots, per row: ``[ S sink slots | W ring slots | spare ]``. With ``sinks=0`` (t
 are no sink slots and position ``pos`` goes to slot ``pos % window``. With ``sinks=S``
 (StreamingLLM's attention sinks) positions ``0 .. S-1`` go to slots ``0 .. S-1`` and are never
 overwritten, every later position to slot ``S + pos % window``; a query at ``p`` sees
-``0 .. S-1`` and ``p-W+1 .. p``.
+``0 .. S-1`` and ``p-W+1 .. p``. (With ``capacity=C``, below, the ring has C slots instead of W.)
 
 One call, :meth:`RingKVCache.step`, takes a chunk of ``T`` new tokens per row (``T = 1`` is
 decode) and returns their attention output:
@@ -51,6 +51,10 @@ Things to know (by design, not checked):
   chunking (which masked slots share a call). Keep k/v finite.
 * ``sink_rope`` reproduces StreamingLLM for rows whose positions run ``0, 1, 2, ...``; for other
   rows it applies the same rule, ``c = min(p, S + W - 1)``, to their absolute positions.
+
+Speculative decoding (chapter 13) adds two things, both unused by default: ``capacity`` slots
+per row (default ``window``; slot = ``pos % capacity``, masks still use ``window``), and
+:meth:`RingKVCache.truncate`, which forgets rejected draft tokens.
 
 >>> import torch
 >>> cache = RingKVCache(batch_size=1, num_kv_heads=1, window=4, head_dim=2)
@@ -96,7 +100,7 @@ class RingKVCache:
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
-                 sinks: int = 0, sink_rope: Rope | None = None,
+                 sinks: int = 0, sink_rope: Rope | None = None, capacity: int | None = None,
                  dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
@@ -109,20 +113,22 @@ class RingKVCache:
                                          torch.empty(0, device=device).device)
         self.batch_size, self.num_kv_heads = batch_size, num_kv_heads
         self.window, self.head_dim = window, head_dim
-        # Slots [0, S) hold the sinks, [S, S + W) the ring. Slot S + W is a spare, outside the
-        # views below: padding tokens and chunk tokens that a later token of the same chunk
-        # overwrites are written there, so a write never has to read old values back and is
-        # one scatter per tensor.
-        n = self.sinks + window
+        # ring slots per row: the window, plus any spare slots that rejected drafts may overwrite
+        self.capacity = window if capacity is None else check_int("capacity", capacity, window)
+        # Slots [0, S) hold the sinks, [S, S + capacity) the ring. Slot S + capacity is a spare,
+        # outside the views below: padding tokens and chunk tokens that a later token of the
+        # same chunk overwrites are written there, so a write never has to read old values back
+        # and is one scatter per tensor.
+        n = self.sinks + self.capacity
         self._spare = n
         store = (batch_size, num_kv_heads, n + 1, head_dim)
         self._k_store = torch.zeros(store, dtype=dtype, device=device)
         self._v_store = torch.zeros(store, dtype=dtype, device=device)
         self._pos_store = torch.full((batch_size, n + 1), -1, dtype=torch.int64,
                                      device=self._k_store.device)
-        self.k = self._k_store[:, :, :n]  # (B, n_kv_heads, S + window, head_dim)
-        self.v = self._v_store[:, :, :n]  # (B, n_kv_heads, S + window, head_dim)
-        self.positions = self._pos_store[:, :n]  # (B, S + window), -1 = empty
+        self.k = self._k_store[:, :, :n]  # (B, n_kv_heads, S + capacity, head_dim)
+        self.v = self._v_store[:, :, :n]  # (B, n_kv_heads, S + capacity, head_dim)
+        self.positions = self._pos_store[:, :n]  # (B, S + capacity), -1 = empty
         # newest position per row: kept beside the ring so a decode step never scans all W slots
         self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.k.device)
         self._rows = torch.arange(batch_size, device=self.k.device)  # row index of a decode write
@@ -225,17 +231,17 @@ class RingKVCache:
 
     # ------------------------------------------------------------------ the ring
     def _slots(self, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Slot of each token: sinks at ``pos``, others at ``S + pos % W``, dropped ones spare."""
+        """Slot of a token: a sink at ``pos``, others at ``S + pos % capacity``, dropped: spare."""
         if self.sinks:
             home = torch.where(positions < self.sinks, positions,
-                               self.sinks + positions % self.window)
+                               self.sinks + positions % self.capacity)
         else:
-            home = positions % self.window
+            home = positions % self.capacity
         return torch.where(keep, home, self._spare)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
               check: bool = True) -> None:
-        """Write ``T`` tokens per row into slots ``pos % window``; keep each row's last W.
+        """Write ``T`` tokens per row into slots ``pos % capacity``; keep each row's last C.
 
         Positions below ``sinks`` go to their sink slots instead, kept for good. Tokens of a
         chunk that would be overwritten by a later token of the same chunk, and
@@ -251,11 +257,11 @@ class RingKVCache:
             keep = positions >= 0
         else:
             newest = torch.maximum(self._last_pos, positions.max(dim=1).values)  # (B,)
-            recent = positions > newest[:, None] - self.window  # (B, T)
+            recent = positions > newest[:, None] - self.capacity  # (B, T)
             if self.sinks:
                 recent = recent | (positions < self.sinks)
             keep = (positions >= 0) & recent
-        # kept ring tokens of a row span < W positions, so their slots are distinct; the rest
+        # kept ring tokens of a row span < C positions, so their slots are distinct; the rest
         # share the spare slot, whose contents are never read
         slot = self._slots(positions, keep)  # (B, T)
         if T == 1:  # index_put: about half the cost of scatter_ for one token per row
@@ -330,9 +336,53 @@ class RingKVCache:
         self.write(k, v, positions, check=False)
         return out
 
+    # ------------------------------------------------------------------ taking tokens back
+    def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:
+        """Forget every stored position ``>= lengths[b]`` of row b (rejected draft tokens).
+
+        Row b may then write from position ``lengths[b]`` again. Nothing is restored: a key that
+        a forgotten token overwrote is gone. So ``check`` (the default) raises ValueError, and
+        changes nothing, unless row b still holds every position its next query needs,
+        ``lengths[b] - window + 1 .. lengths[b] - 1`` (positions are a token sequence's, one
+        per index). A ring can take back ``capacity - window + 1`` tokens: one without spare
+        slots (chapter 13). ``check=False`` skips the check and its host sync.
+        """
+        if check:
+            self._check_truncate(lengths)
+        lengths = lengths.to(torch.int64)
+        self._pos_store.masked_fill_(self._pos_store >= lengths[:, None], -1)
+        torch.minimum(self._last_pos, lengths - 1, out=self._last_pos)
+
+    def _check_truncate(self, lengths: torch.Tensor) -> None:
+        check_tensor("lengths", lengths, self.device)
+        if lengths.dtype not in (torch.int64, torch.int32) or lengths.shape != (self.batch_size,):
+            raise ValueError(f"lengths must be int64 or int32 of shape (B,) = ({self.batch_size},),"
+                             f" got {lengths.dtype} {tuple(lengths.shape)}")
+        lengths = lengths.to(torch.int64)
+        seen = self._last_pos + 1  # (B,)
+        kept = (self.positions >= 0) & (self.positions < lengths[:, None])  # (B, C)
+        needed = band_mask(lengths[:, None], self.positions, self.window)[:, 0] & kept
+        want = torch.minimum(lengths, torch.full_like(lengths, self.window - 1))
+        bad = (lengths < 0) | (lengths > seen) | (needed.sum(-1) < want)  # (B,)
+        if not bool(bad.any()):
+            return
+        b = int(bad.nonzero()[0, 0])
+        n = int(lengths[b])
+        if n < 0 or n > int(seen[b]):
+            raise ValueError(f"row {b}: cannot truncate to {n} positions; it has seen "
+                             f"{int(seen[b])}")
+        held = set(self.positions[b].tolist())
+        lost = [p for p in range(max(0, n - self.window + 1), n) if p not in held]
+        raise ValueError(
+            f"row {b}: truncating to {n} leaves out position(s) {lost}, which the query at {n} "
+            f"needs: later tokens overwrote them (capacity {self.capacity}, window "
+            f"{self.window}: the ring can take back at most {self.capacity - self.window + 1} "
+            f"token(s))")
+
     def __repr__(self) -> str:
         return (f"RingKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
-                f"window={self.window}, head_dim={self.head_dim}, sinks={self.sinks}, "
+                f"window={self.window}, capacity={self.capacity}, head_dim={self.head_dim}, "
+                f"sinks={self.sinks}, "
                 f"sink_rope={getattr(self.sink_rope, '__name__', self.sink_rope)}, "
                 f"dtype={self.dtype}, device={self.device})")
 

@@ -12,6 +12,8 @@ never re-derived from ``pos % window``. Frames hold only lists, ints, floats, st
 ([[4, 5, 2, 3]], [2], [[1]])
 >>> t.frames[-1].caption
 'token 5 written to slot 1, evicting token 1; start -> slot 2'
+>>> t.frames[-1].arithmetic
+'pos 5 -> slot 5 % 4 = 1; evicts 1 = 5 - 4; start = (5 + 1) % 4 = 2'
 
 Taught in chapters 3 (ring indexing), 5 (masks) and 6 (prefill).
 """
@@ -100,6 +102,7 @@ class Frame:
     slot_state: list[list[str]] = field(default_factory=list)  # per row/slot, newest query's view
     rope_abs: list[list[float | None]] = field(default_factory=list)  # angle at absolute pos
     rope_slot: list[list[float | None]] = field(default_factory=list)  # angle at slot index
+    arithmetic: str = ""  # the step's index arithmetic, checked against the observed slots
 
 
 @dataclass
@@ -204,6 +207,49 @@ def _caption(queries: list[list[int]], evicted: list[list[int]],
     return "; ".join(f"row {b}: {text}" for b, text in enumerate(parts))
 
 
+def _slot_sum(pos: int, slot: int, window: int) -> str:
+    """``pos 10 -> slot 10 % 4 = 2``, after checking that the cache really used that slot."""
+    if pos % window != slot:
+        raise RuntimeError(f"the cache stored position {pos} in slot {slot}, not "
+                           f"{pos} % {window} = {pos % window}")
+    return f"pos {pos} -> slot {pos} % {window} = {slot}"
+
+
+def _row_arithmetic(queries: list[int], evicted: list[int], after: list[int], start: int,
+                    window: int, with_start: bool) -> str:
+    """One row's index arithmetic: the slot of each stored token, evictions, the start pointer."""
+    kept = [p for p in queries if p in after]
+    if not kept:
+        return "nothing stored" if queries else ""
+    sums = [_slot_sum(p, after.index(p), window) for p in kept]
+    parts = [sums[0] if len(sums) == 1 else ", ".join(sums) if len(sums) == 2
+             else f"{sums[0]} ... {sums[-1]}"]
+    newest = max(kept)
+    if evicted == [newest - window]:
+        parts.append(f"evicts {evicted[0]} = {newest} - {window}")
+    elif evicted:
+        parts.append(f"evicts {spans(evicted)} (older than {newest} - {window} + 1 = "
+                     f"{newest - window + 1})")
+    if with_start:
+        full = min(after) >= 0
+        formula = f"({newest} + 1) % {window}" if full else "0 (ring not full)"
+        expected = (newest + 1) % window if full else 0
+        if expected != start:
+            raise RuntimeError(f"the cache's start is slot {start}, not {formula}")
+        parts.append(f"start = {formula} = {start}" if full else f"start = {formula}")
+    return "; ".join(parts)
+
+
+def _arithmetic(queries: list[list[int]], evicted: list[list[int]], after: np.ndarray,
+                start: list[int], window: int) -> str:
+    rows = after.tolist()
+    parts = [_row_arithmetic(q, e, a, s, window, with_start=len(rows) == 1)
+             for q, e, a, s in zip(queries, evicted, rows, start, strict=True)]
+    if len(parts) == 1:
+        return parts[0]
+    return "; ".join(f"row {b}: {text}" for b, text in enumerate(parts) if text)
+
+
 def _ring_frame(kind: str, scenario: Scenario, before: np.ndarray, after: np.ndarray,
                 start: list[int], queries: list[list[int]], attended: np.ndarray) -> Frame:
     """A frame of a ring trace; ``attended`` is what the step's queries saw (ring + chunk)."""
@@ -216,9 +262,11 @@ def _ring_frame(kind: str, scenario: Scenario, before: np.ndarray, after: np.nda
     rope_abs, rope_slot = _rope(after, scenario)
     caption = ("empty cache: every slot is free" if kind == "empty"
                else _caption(queries, evicted, after, start, window))
+    arithmetic = "" if kind == "empty" else _arithmetic(queries, evicted, after, start, window)
     return Frame(kind=kind, caption=caption, positions=after.tolist(), start=start,
                  written=written, evicted=evicted, moved=moved, queries=queries, keys=keys,
-                 band=band, slot_state=states, rope_abs=rope_abs, rope_slot=rope_slot)
+                 band=band, slot_state=states, rope_abs=rope_abs, rope_slot=rope_slot,
+                 arithmetic=arithmetic)
 
 
 def _steps(scenario: Scenario) -> list[tuple[str, np.ndarray]]:

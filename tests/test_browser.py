@@ -78,7 +78,7 @@ def book(tmp_path_factory) -> pathlib.Path:
         nbformat.v4.new_markdown_cell("# Stepper"),
         nbformat.v4.new_code_cell("import ringviz.viz as viz\n"
                                   "viz.RingStepper.from_scenario(window=4, prompt=6, "
-                                  "decode_steps=3)"),
+                                  "decode_steps=3, vary={'window': (3, 4, 5)})"),
         nbformat.v4.new_code_cell("viz.RingStepper.from_scenario(window=4, prompt=5, chunk=2, "
                                   "decode_steps=1, batch_lengths=(5, 2))"),
     ]
@@ -90,10 +90,9 @@ def book(tmp_path_factory) -> pathlib.Path:
     return src / "_build" / "html" / "stepper.html"
 
 
-@pytest.fixture
-def page(browser, book):
-    """The built page, opened from disk; every request and page error recorded."""
-    page = browser.new_page(viewport={"width": 1100, "height": 900})
+def _open(browser, book, scheme: str):
+    """The built page, opened from disk in a colour scheme; every request and error recorded."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900}, color_scheme=scheme)
     log = {"requests": [], "external": [], "errors": [], "failed": []}
 
     def route(r):
@@ -111,8 +110,30 @@ def page(browser, book):
     page.goto(book.as_uri())
     page.wait_for_selector(".ringviz-stepper svg .slot", timeout=30_000)
     page.log = log
+    return page
+
+
+@pytest.fixture
+def page(browser, book):
+    page = _open(browser, book, "light")
     yield page
     page.close()
+
+
+@pytest.fixture
+def dark_page(browser, book):
+    page = _open(browser, book, "dark")
+    yield page
+    page.close()
+
+
+CONTRAST = """el => {
+  const lum = c => c.match(/[\\d.]+/g).slice(0, 3).map(x => x / 255)
+    .map(x => x <= 0.03928 ? x / 12.92 : ((x + 0.055) / 1.055) ** 2.4)
+    .reduce((s, x, i) => s + [0.2126, 0.7152, 0.0722][i] * x, 0);
+  const s = getComputedStyle(el), [a, b] = [lum(s.color), lum(s.backgroundColor)].sort((x, y) => y - x);
+  return (a + 0.05) / (b + 0.05);
+}"""
 
 
 def test_book_config_keeps_pages_offline():
@@ -178,3 +199,67 @@ def test_slider_reaches_the_last_frame(page):
     assert text.startswith("row 0: token 5 written to slot 1"), text
     assert "row 1: token 2 written to slot 2" in text
     assert stepper.locator(".ringviz-counter").inner_text() == "step 4 / 4"
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_buttons_are_legible_in_both_schemes(browser, book, scheme):
+    """WCAG AA: button and drop-down text against their own background at least 4.5:1."""
+    page = _open(browser, book, scheme)
+    try:
+        stepper = page.locator(".ringviz-stepper").first
+        controls = stepper.locator("button, select")
+        assert controls.count() == 4  # prev, play, next, the window drop-down
+        ratios = [controls.nth(i).evaluate(CONTRAST) for i in range(controls.count())]
+        assert min(ratios) >= 4.5, ratios
+        background = stepper.evaluate("el => getComputedStyle(el).backgroundColor")
+        dark = background == "rgb(30, 33, 39)"  # --rv-bg of the dark scheme
+        assert dark == (scheme == "dark"), background
+    finally:
+        page.close()
+
+
+def test_play_becoming_pause_moves_nothing(page):
+    stepper = page.locator(".ringviz-stepper").first
+    boxes = [stepper.locator("button").nth(i).bounding_box() for i in range(3)]
+    stepper.get_by_role("button", name="play").click()
+    assert stepper.get_by_role("button", name="pause").count() == 1
+    assert [stepper.locator("button").nth(i).bounding_box() for i in range(3)] == boxes
+
+
+def test_caption_shows_the_step_arithmetic(page):
+    stepper = page.locator(".ringviz-stepper").first
+    for _ in range(2):
+        stepper.get_by_role("button", name="next").click()
+    assert stepper.locator(".ringviz-arithmetic").inner_text() == (
+        "pos 6 -> slot 6 % 4 = 2; evicts 2 = 6 - 4; start = (6 + 1) % 4 = 3")
+    labels = stepper.locator("svg .slot-index")
+    assert [labels.nth(i).text_content() for i in range(labels.count())] == [
+        "slot 0", "1", "2", "3"]
+
+
+def test_window_drop_down_switches_to_the_precomputed_trace(page):
+    """The drop-down only selects a trace Python computed; the page shows that trace's frame."""
+    from ringviz.trace import Scenario, trace_scenario
+
+    stepper = page.locator(".ringviz-stepper").first
+    svg, caption = stepper.locator("svg"), stepper.locator(".ringviz-caption")
+    for _ in range(2):
+        stepper.get_by_role("button", name="next").click()
+    before = svg.inner_html()
+    stepper.locator("select").select_option(label="3")
+    expected = trace_scenario(Scenario(window=3, prompt=6, decode_steps=3)).frames[2]
+    assert caption.inner_text() == expected.caption  # the place in the run is kept
+    assert stepper.locator(".ringviz-arithmetic").inner_text() == expected.arithmetic
+    assert svg.inner_html() != before
+    assert stepper.locator("svg .slot").count() == 3
+    stepper.locator("select").select_option(label="5")
+    assert stepper.locator("svg .slot").count() == 5
+    assert stepper.locator(".ringviz-counter").inner_text() == "step 2 / 4"
+    assert page.log["errors"] == [] and page.log["external"] == []
+
+
+def test_dark_page_steps_offline(dark_page):
+    stepper = dark_page.locator(".ringviz-stepper").first
+    stepper.get_by_role("button", name="next").click()
+    assert stepper.locator(".slot-written").count() == 4
+    assert dark_page.log["errors"] == [] and dark_page.log["external"] == []

@@ -296,3 +296,22 @@ def test_unchecked_steps_equal_checked_ones(convention):
         assert torch.equal(a.step(*args), b.step(*args, check=False))
         t += T
     assert snapshot(a) == snapshot(b)
+
+
+@pytest.mark.parametrize("convention", ["absolute", "cache"])
+def test_sinks_with_spare_capacity_and_truncate(convention):
+    """Speculative decoding's capacity= and truncate() keep working beside the sink slots."""
+    q, k, v, positions = make_case(13, 1, 1, 2, 8, [16], pad_prob=0.0)
+    safe = positions.clamp(min=0)
+    qr, kr = rope(q, safe), rope(k, safe)
+    f = CONVENTIONS[convention]
+    spec = RingKVCache(1, 1, 4, 8, sinks=2, sink_rope=f, capacity=6, dtype=torch.float64)
+    plain = RingKVCache(1, 1, 4, 8, sinks=2, sink_rope=f, dtype=torch.float64)
+    want = plain.step(qr, kr, v, positions)
+    spec.step(qr[:, :, :12], kr[:, :, :12], v[:, :, :12], positions[:, :12])
+    draft = torch.randn(1, 1, 2, 8, dtype=torch.float64)  # two rejected draft tokens
+    spec.step(torch.randn(1, 2, 2, 8, dtype=torch.float64), draft, draft, positions[:, 12:14])
+    spec.truncate(torch.tensor([12]))
+    got = spec.step(qr[:, :, 12:], kr[:, :, 12:], v[:, :, 12:], positions[:, 12:])
+    assert (got - want[:, :, 12:]).abs().max() <= 1e-12
+    assert spec.positions[0, :2].tolist() == [0, 1] and spec.k.shape[2] == 2 + 6

@@ -178,3 +178,28 @@ def test_bad_trace_arguments_raise():
         trace_ring(4, 0)
     with pytest.raises(ValueError, match="mode"):
         trace_shift(4, 3, mode="copy")
+
+
+def test_arithmetic_shows_each_step_index_sum():
+    trace = trace_scenario(Scenario(window=4, prompt=10, chunk=3, decode_steps=1))
+    assert trace.frames[0].arithmetic == ""
+    assert trace.frames[1].arithmetic == (
+        "pos 0 -> slot 0 % 4 = 0 ... pos 2 -> slot 2 % 4 = 2; start = 0 (ring not full)")
+    assert trace.frames[-1].arithmetic == (
+        "pos 10 -> slot 10 % 4 = 2; evicts 6 = 10 - 4; start = (10 + 1) % 4 = 3")
+    long = trace_scenario(Scenario(window=4, prompt=11, chunk=6, decode_steps=0))
+    assert long.frames[2].arithmetic == (
+        "pos 7 -> slot 7 % 4 = 3 ... pos 10 -> slot 10 % 4 = 2; "
+        "evicts 2..5 (older than 10 - 4 + 1 = 7); start = (10 + 1) % 4 = 3")
+    batch = trace_scenario(SCENARIOS["ragged_batch"])
+    assert batch.frames[2].arithmetic == (
+        "row 0: pos 3 -> slot 3 % 4 = 3 ... pos 5 -> slot 5 % 4 = 1; evicts 0..1 (older than "
+        "5 - 4 + 1 = 2); row 2: pos 3 -> slot 3 % 4 = 3, pos 4 -> slot 4 % 4 = 0; "
+        "evicts 0 = 4 - 4")  # row 1 was padding only: no arithmetic
+
+
+def test_arithmetic_checks_the_observed_slot():
+    from ringviz.trace import _slot_sum
+    assert _slot_sum(10, 2, 4) == "pos 10 -> slot 10 % 4 = 2"
+    with pytest.raises(RuntimeError, match="slot 1, not 10 % 4 = 2"):
+        _slot_sum(10, 1, 4)

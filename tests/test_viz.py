@@ -16,6 +16,9 @@ from matplotlib.figure import Figure
 import ringviz.viz as viz
 from ringviz.trace import Scenario, trace_ring, trace_scenario, trace_shift
 from ringviz.viz import offline, vendor
+from ringviz.viz.stepper import STATE_LETTERS, pack, unpack, view
+
+STATE_NAMES = {letter: name for name, letter in STATE_LETTERS.items()}
 
 
 @pytest.fixture(autouse=True)
@@ -149,8 +152,9 @@ def test_bad_frame_or_row_raises(decode_trace):
 def test_stepper_embeds_the_whole_trace():
     stepper = viz.RingStepper.from_scenario(window=4, prompt=6, decode_steps=2)
     expected = trace_scenario(Scenario(window=4, prompt=6, decode_steps=2))
-    assert stepper.trace == expected.to_dict()
-    assert json.loads(json.dumps(stepper.trace)) == stepper.trace  # what the page embeds
+    assert unpack(stepper.frames, stepper.views) == [view(expected)] and stepper.params == []
+    assert json.loads(json.dumps(stepper.views)) == stepper.views  # what the page embeds
+    assert json.loads(json.dumps(stepper.frames)) == stepper.frames
     assert stepper.to_trace() == expected
     assert "export default" in stepper._esm
     assert ".ringviz-stepper" in stepper._css
@@ -161,9 +165,62 @@ def test_stepper_embeds_the_whole_trace():
     assert isinstance(stepper.static_figure(), Figure)
 
 
+def test_view_keeps_what_the_js_draws_compactly():
+    trace = trace_scenario(Scenario(window=4, prompt=10, chunk=3, decode_steps=1))
+    v = view(trace)
+    for f, g in zip(trace.frames, v["frames"], strict=True):
+        assert g["positions"] == f.positions and g["caption"] == f.caption
+        assert g["arithmetic"] == f.arithmetic and g["keys"] == f.keys
+        assert [[[c == "1" for c in q] for q in row] for row in g["band"]] == f.band
+        assert [[STATE_NAMES[c] for c in row] for row in g["states"]] == f.slot_state
+    assert len(json.dumps(v)) < 0.7 * len(trace.to_json())
+
+
+def test_pack_stores_each_distinct_frame_once():
+    views = [view(trace_scenario(Scenario(window=4, prompt=p, chunk=c, decode_steps=3)))
+             for p in (6, 9) for c in (2, 3)]
+    frames, packed = pack(views)
+    assert unpack(frames, packed) == views
+    distinct = {json.dumps(f, sort_keys=True) for v in views for f in v["frames"]}
+    assert len(frames) == len(distinct) < sum(len(v["frames"]) for v in views)
+    assert len(json.dumps([frames, packed])) < 0.8 * len(json.dumps(views))
+
+
+def test_grid_holds_one_real_trace_per_setting():
+    stepper = viz.RingStepper.from_scenario(window=4, prompt=7, chunk=3, decode_steps=2,
+                                            vary={"window": (3, 4), "chunk": (2, 3, None)})
+    assert [p["values"] for p in stepper.params] == [["3", "4"], ["2", "3", "whole prompt"]]
+    assert len(stepper.views) == 6 and stepper.choice == 4  # window 4 (row 1), chunk 3 (col 1)
+    assert stepper.to_trace() == trace_scenario(Scenario(window=4, prompt=7, chunk=3,
+                                                         decode_steps=2))
+    for i, (w, chunk) in enumerate([(w, c) for w in (3, 4) for c in (2, 3, None)]):
+        expected = trace_scenario(Scenario(window=w, prompt=7, chunk=chunk, decode_steps=2))
+        assert unpack(stepper.frames, stepper.views)[i] == view(expected)
+    stepper.choice = 5
+    assert stepper.to_trace().scenario["chunk"] is None
+    with pytest.raises(traitlets.TraitError, match="choice"):
+        stepper.choice = 6
+    ring = viz.RingStepper.from_ring(window=4, tokens=6, vary={"window": range(2, 6)})
+    assert [v["window"] for v in ring.views] == [2, 3, 4, 5] and ring.choice == 2
+
+
+@pytest.mark.parametrize(("vary", "match"), [
+    ({"window": (3, 5)}, "window=4 is not among"),
+    ({"prompt_len": (3, 4)}, "settings do not set"),
+    ({"window": ()}, "distinct values"),
+    ({"window": (4, 4)}, "distinct values"),
+    ({"window": range(1, 11), "chunk": range(1, 11)}, "too heavy"),
+])
+def test_bad_grids_raise(vary, match):
+    with pytest.raises(ValueError, match=match):
+        viz.RingStepper.from_scenario(window=4, prompt=7, chunk=1, vary=vary)
+
+
 def test_stepper_accepts_only_traces():
     with pytest.raises(TypeError, match="Trace"):
         viz.RingStepper({"frames": []})
+    with pytest.raises(ValueError, match="2 traces for a grid of 3"):
+        viz.RingStepper([trace_ring(2, 2)] * 2, params=[{"name": "w", "values": [1, 2, 3]}])
     viz.RingStepper(trace_shift(4, 5))  # any trace, including the shift window
 
 
@@ -171,17 +228,17 @@ def test_controls_rebuild_and_reject_bad_input():
     controls = viz.interactive_stepper(window=4, prompt=6)
     controls.stepper.frame = 2
     controls.window.value = 3
-    assert controls.stepper.trace["window"] == 3 and controls.stepper.frame == 0
+    assert controls.stepper.views[0]["window"] == 3 and controls.stepper.frame == 0
     controls.batch.value = "5, 2"
-    assert controls.stepper.trace["rows"] == 2
-    before = controls.stepper.trace
+    assert controls.stepper.views[0]["rows"] == 2
+    before = controls.stepper.views
     controls.batch.value = "5, x"
     assert "integers" in controls.message.value
     controls.batch.value = "5, 0"
     assert "batch_lengths[1]" in controls.message.value
-    assert controls.stepper.trace is before
+    assert controls.stepper.views is before
     controls.batch.value = ""
-    assert controls.message.value == "" and controls.stepper.trace["rows"] == 1
+    assert controls.message.value == "" and controls.stepper.views[0]["rows"] == 1
 
 
 def test_vendored_js_matches_pinned_checksums():
@@ -215,3 +272,43 @@ def test_offline_extension_dedupes_and_flags_remote_assets(caplog):
     assert [s.filename for s in context["script_files"]] == [None, "a.js",
                                                              "https://cdn.example/x.js"]
     assert "loads https://cdn.example/x.js from the web" in caplog.text
+
+
+def test_strip_of_a_single_row_ring_shows_each_step_mask():
+    trace = trace_scenario(Scenario(window=4, prompt=10, chunk=3, decode_steps=1))
+    fig = viz.draw_frames(trace)
+    masks = fig.axes[1::2]
+    assert len(masks) == len(trace.frames)
+    # step 2: chunk 3..5 over a ring holding 0..2 -> 3 x 6 cells, ring and chunk bracketed
+    assert len(masks[2].patches) == 18
+    assert {"ring", "chunk"} <= set(_texts(masks[2]))
+    assert "stale" in _legend(fig.axes[-2])  # the last ring axes holds the legend
+
+
+def test_chunk_keys_strike_the_tokens_never_stored():
+    trace = trace_scenario(Scenario(window=4, prompt=11, chunk=6, decode_steps=0))
+    ax = viz.draw_chunk_keys(trace, 2)  # chunk 6..10 over a ring holding 2..5
+    keys = [t for t in ax.texts if t.get_position()[1] == pytest.approx(0.15)]
+    assert [t.get_text() for t in keys] == ["2", "3", "4", "5", "6", "7", "8", "9", "10"]
+    struck = [t.get_text() for t in keys if t.get_color() == viz.style.EVICT_COLOR]
+    assert struck == ["6"] and len(ax.patches) == 5 * 9
+    with pytest.raises(ValueError, match="not a chunk step"):
+        viz.draw_chunk_keys(trace_scenario(Scenario(window=4, prompt=3, decode_steps=1)), 2)
+
+
+def test_padded_batch_reads_slots_from_the_ring():
+    import torch
+
+    from ringviz import RingKVCache
+    pos = torch.tensor([[0, 1, 2, 3, 4], [-1, -1, -1, 0, 1]])
+    cache = RingKVCache(2, 1, 4, 2)
+    x = torch.zeros(2, 1, 5, 2)
+    cache.step(x, x, x, pos)
+    ax = viz.draw_padded_batch(pos.numpy(), cache.positions.numpy(), 4)
+    texts = _texts(ax)
+    assert texts.count("pad") == 3
+    assert [t for t in texts if t.startswith("s") and t[1:].isdigit()] == [
+        "s1", "s2", "s3", "s0", "s0", "s1"]  # row 0 keeps 1..4, token 0 displaced by 4
+    assert texts.count("-") == 1
+    with pytest.raises(ValueError, match=r"\(B, 4\)"):
+        viz.draw_padded_batch(pos.numpy(), cache.positions.numpy()[:, :3], 4)

@@ -10,11 +10,17 @@ Usage in a chapter::
     stepper.static_figure()                           # the same frames for print/static readers
     viz.RingStepper.from_scenario(window=4, prompt=7, chunk=3, batch_lengths=(7, 2, 5))
     viz.RingStepper(trace_ring(window=4, tokens=11), show_band=False)  # any trace
+    viz.RingStepper.from_scenario(window=4, prompt=10, chunk=3,
+                                  vary={"window": (3, 4, 5), "chunk": (2, 3, None)})
+                                                      # drop-downs over precomputed traces
+    viz.RingStepper.from_ring(window=4, tokens=11, vary={"window": range(2, 9)})
     viz.interactive_stepper(window=8, prompt=12)      # live: sliders rebuild the trace
 
     t = trace_scenario(Scenario(window=8, prompt=13))
     viz.draw_ring_row(t, frame=1); viz.draw_ring_circle(t, frame=1); viz.draw_batch(t)
     viz.draw_ring_and_shift(trace_ring(4, 6), trace_shift(4, 6))
+    viz.draw_chunk_keys(t, frame=2)                   # a chunk's [ring | chunk] keys + mask
+    viz.draw_padded_batch(pos_bt, cache.positions, window=4)  # (B, T) positions -> rings
     viz.draw_decode_mask(query_pos=9, positions=[8, 9, 2, 3], window=4)
     viz.draw_band_mask(range(4, 8), range(0, 8), window=4)
     viz.draw_rope_angles(t, frame=-1)
@@ -28,7 +34,9 @@ embedded state with JavaScript served by the book itself (see ``web/``).
 
 from ringviz.viz.draw import (
     draw_batch,
+    draw_chunk_keys,
     draw_frames,
+    draw_padded_batch,
     draw_ring_and_shift,
     draw_ring_circle,
     draw_ring_row,
@@ -50,8 +58,10 @@ __all__ = [
     "RingStepper",
     "draw_band_mask",
     "draw_batch",
+    "draw_chunk_keys",
     "draw_decode_mask",
     "draw_frames",
+    "draw_padded_batch",
     "draw_ring_and_shift",
     "draw_ring_circle",
     "draw_ring_row",

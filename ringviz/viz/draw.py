@@ -1,7 +1,9 @@
-"""Pictures of cache states: the ring as a row of slots and as a circle, the shift window, a batch.
+"""Pictures of cache states: the ring as a row of slots and as a circle, the shift window, a batch,
+a step's ``[ring | chunk]`` key axis with its mask, a padded (B, T) positions grid.
 
-Every function draws one frame of a :class:`ringviz.trace.Trace` (it never computes ring state),
-takes ``ax=None`` and returns the axes it drew on. Slot fill says what the slot is for the row's
+Every function draws what a :class:`ringviz.trace.Trace` frame (or, for the padded grid, the
+positions a real cache was given and holds) says; it never computes ring state. Each takes
+``ax=None`` and returns the axes it drew on. Slot fill says what the slot is for the row's
 newest query (``frame.slot_state``); an orange edge marks slots written in this step; the green
 and orange triangles are the start and write pointers; vermillion text names evicted tokens.
 """
@@ -185,18 +187,154 @@ def draw_ring_and_shift(ring: Trace, shift: Trace, frame: int = -1) -> Figure:
     return fig
 
 
+def _has_mask(trace: Trace) -> bool:
+    """Single-row ring traces record each step's mask (``band``); strips then draw it."""
+    return trace.layout == "ring" and trace.rows == 1 and any(f.band and f.band[0]
+                                                              for f in trace.frames)
+
+
+def _mask(ax: Axes, f: Frame, row: int = 0, *, fontsize: float = 9,
+          groups: bool = True) -> None:
+    """The step's queries (rows, top down) x keys (columns): visible / stale / future.
+
+    Keys that were in the ring before the step and the step's own tokens (the chunk) are
+    bracketed apart; chunk tokens the ring did not keep are struck through in vermillion.
+    """
+    queries, keys = f.queries[row], f.keys[row]
+    kept, chunk = set(f.positions[row]), set(queries)
+    for i, q in enumerate(queries):
+        for j, k in enumerate(keys):
+            state = "visible" if f.band[row][i][j] else "future" if k > q else "stale"
+            ax.add_patch(Rectangle((j + 0.04, -i - 0.96), 0.92, 0.92,
+                                   facecolor=STATE_COLORS[state], edgecolor="none"))
+        ax.text(-0.15, -i - 0.5, str(q), ha="right", va="center", fontsize=fontsize)
+    for j, k in enumerate(keys):
+        never = k in chunk and k not in kept
+        ax.text(j + 0.5, 0.15, str(k), ha="center", va="bottom", fontsize=fontsize,
+                color=EVICT_COLOR if never else "black", fontweight="bold" if never else None)
+        if never:
+            ax.plot([j + 0.15, j + 0.85], [0.45, 0.45], color=EVICT_COLOR, linewidth=1.2)
+    n_ring = sum(k not in chunk for k in keys)
+    if groups and len(queries) > 1:
+        for a, b, name in ((0, n_ring, "ring"), (n_ring, len(keys), "chunk")):
+            if b > a:
+                ax.plot([a + 0.1, a + 0.1, b - 0.1, b - 0.1], [0.95, 1.1, 1.1, 0.95],
+                        color=EDGE_COLOR, linewidth=1)
+                ax.text((a + b) / 2, 1.2, name, ha="center", va="bottom", fontsize=fontsize,
+                        color=EDGE_COLOR)
+    ax.set_xlim(-1.4, max(len(keys), 4) + 0.2)
+    ax.set_ylim(-max(len(queries), 1) - 0.2, 2.0)
+    ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def draw_chunk_keys(trace: Trace, frame: int, *, ax: Axes | None = None) -> Axes:
+    """A chunk step's key axis ``[ring | chunk]`` and its mask (chapter 6).
+
+    Columns are the keys the step attended: first those the ring held before the step, then
+    the chunk's own tokens; chunk tokens that the ring did not keep (a chunk longer than W, or
+    overwritten by later tokens of the same chunk) are struck through: attended, never stored.
+    """
+    f = _frame(trace, frame)
+    if trace.layout != "ring" or not f.band or len(f.queries[0]) < 2:
+        raise ValueError(f"frame {frame} is not a chunk step of a ring trace (it has "
+                         f"{len(f.queries[0]) if f.queries else 0} queries)")
+    ax = _axes(ax, (BOOK_WIDTH, 1.2 + 0.42 * len(f.queries[0])))
+    _mask(ax, f, fontsize=10)
+    ax.text(-1.3, -len(f.queries[0]) / 2, "query", rotation=90, ha="center", va="center",
+            fontsize=10)
+    ax.set_title(_wrap(f"step {trace.frames.index(f)}, W={trace.window}: {f.caption}", 95),
+                 loc="left", fontsize=9)
+    present = {("visible" if b else "future" if k > q else "stale")
+               for q, row in zip(f.queries[0], f.band[0], strict=True)
+               for k, b in zip(f.keys[0], row, strict=True)}
+    handles = [Patch(facecolor=STATE_COLORS[s], label=s) for s in ("visible", "stale", "future")
+               if s in present]
+    handles.append(plt.Line2D([], [], color=EVICT_COLOR, label="struck key: never stored"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return ax
+
+
+def draw_padded_batch(positions: np.ndarray, ring_positions: np.ndarray, window: int, *,
+                      ax: Axes | None = None) -> Axes:
+    """The padded (B, T) positions a batch step passes (left) and each row's ring after it.
+
+    ``positions`` is what the cache was given (-1 = padding, drawn hatched); under each real
+    token is the slot the ring holds it in, read from ``ring_positions`` (B, window), the
+    cache's stored positions after the step ("-" where a later token of the chunk displaced
+    it). Right: the rings themselves, slot by slot (chapter 7).
+    """
+    pos, ring = np.asarray(positions), np.asarray(ring_positions)
+    if pos.ndim != 2 or ring.ndim != 2 or len(pos) != len(ring) or ring.shape[1] != window:
+        raise ValueError(f"positions must be (B, T) and ring_positions (B, {window}), got "
+                         f"{pos.shape} and {ring.shape}")
+    B, T = pos.shape
+    ax = _axes(ax, (BOOK_WIDTH, 0.9 + 0.62 * B))
+    gap = T + 2.2
+    for b in range(B):
+        y = -b * 1.25
+        held = {int(p): s for s, p in enumerate(ring[b].tolist()) if p >= 0}
+        for t, p in enumerate(pos[b].tolist()):
+            pad = p < 0
+            ax.add_patch(Rectangle((t + 0.04, y), 0.92, 0.8, hatch="//" if pad else None,
+                                   facecolor=STATE_COLORS["empty" if pad else "visible"],
+                                   edgecolor=EDGE_COLOR, linewidth=0.8))
+            ax.text(t + 0.5, y + 0.4, "pad" if pad else str(p), ha="center", va="center",
+                    fontsize=8 if pad else 10, color=EDGE_COLOR if pad else "black",
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5} if pad else None)
+            if not pad:
+                ax.text(t + 0.5, y - 0.12, f"s{held[p]}" if p in held else "-",
+                        ha="center", va="top", fontsize=8, color=EDGE_COLOR)
+        for s, p in enumerate(ring[b].tolist()):
+            ax.add_patch(Rectangle((gap + s + 0.04, y), 0.92, 0.8, hatch="//" if p < 0 else None,
+                                   facecolor=STATE_COLORS["empty" if p < 0 else "visible"],
+                                   edgecolor=EDGE_COLOR, linewidth=0.8))
+            ax.text(gap + s + 0.5, y + 0.4, "" if p < 0 else str(p), ha="center", va="center",
+                    fontsize=10)
+        ax.text(-0.2, y + 0.4, f"row {b}", ha="right", va="center", fontsize=9)
+    for s in range(window):
+        ax.text(gap + s + 0.5, 0.95, f"slot {s}" if s == 0 else str(s), ha="center",
+                va="bottom", fontsize=7, color=EDGE_COLOR)
+    ax.text(0, 1.35, f"positions passed, (B, T) = ({B}, {T});\nsN under a token: kept in "
+            "slot N, -: not kept", ha="left", va="bottom", fontsize=9)
+    ax.text(gap, 1.35, f"rings after the step,\nW={window}", ha="left", va="bottom",
+            fontsize=9)
+    ax.set_xlim(-1.3, gap + window + 0.3)
+    ax.set_ylim(-(B - 1) * 1.25 - 0.6, 2.4)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    return ax
+
+
 def draw_frames(trace: Trace, frames: list[int] | None = None, *,
                 max_frames: int = 10) -> Figure:
-    """A static strip of frames (all rows of each), for readers of the printed or static page."""
+    """A static strip of frames (all rows of each), for readers of the printed or static page.
+
+    For a single-row ring trace each frame also shows the step's mask, query x key, beside the
+    ring (the same picture as the stepper's lower panel).
+    """
     index = list(range(len(trace.frames))) if frames is None else [int(i) for i in frames]
     if len(index) > max_frames:
         keep = np.linspace(0, len(index) - 1, max_frames).round().astype(int)
         index = [index[i] for i in keep]
     for i in index:
         _frame(trace, i)
-    height = 0.6 + 0.55 * trace.rows
-    fig, axes = plt.subplots(len(index), 1, figsize=(BOOK_WIDTH, height * len(index)),
-                             squeeze=False)
+    masks = _has_mask(trace)
+    if masks:
+        most = max(len(trace.frames[i].queries[0]) for i in index)
+        height = 0.55 + 0.3 * max(most, 2)
+        fig, axes = plt.subplots(len(index), 2, figsize=(BOOK_WIDTH, height * len(index)),
+                                 squeeze=False, width_ratios=(1.25, 1))
+        for ax, i in zip(axes[:, 1], index, strict=True):
+            f = trace.frames[i]
+            if f.queries[0]:
+                _mask(ax, f)
+            else:
+                ax.axis("off")
+    else:
+        height = 0.6 + 0.55 * trace.rows
+        fig, axes = plt.subplots(len(index), 1, figsize=(BOOK_WIDTH, height * len(index)),
+                                 squeeze=False)
     for ax, i in zip(axes[:, 0], index, strict=True):
         f = trace.frames[i]
         for row in range(trace.rows):
@@ -206,8 +344,10 @@ def draw_frames(trace: Trace, frames: list[int] | None = None, *,
                 ax.text(-0.2, (trace.rows - 1 - row) * ROW_PITCH + 0.4, f"row {row}",
                         ha="right", va="center", fontsize=8)
         _finish_rows(ax, trace.window, trace.rows)
-        ax.set_title(_wrap(f"step {i}: {f.caption}", 120), loc="left", fontsize=8)
-    _legend(axes[-1, 0], ("visible", "empty"), pointers=trace.layout == "ring")
+        ax.set_title(_wrap(f"step {i}: {f.caption}", 62 if masks else 120), loc="left",
+                     fontsize=9 if masks else 8)
+    states = ("visible", "stale", "future", "empty") if masks else ("visible", "empty")
+    _legend(axes[-1, 0], states, pointers=trace.layout == "ring")
     fig.tight_layout()
     return fig
 

@@ -1,34 +1,46 @@
 // The ring stepper's view: draws one frame of a ringviz trace as SVG and steps through frames.
-// It only renders what the trace says (computed in Python by the real caches); it never
-// re-implements the ring. Works live (frame syncs to Python) and in a static page (no kernel).
+// It only renders what the traces say (computed in Python by the real caches); it never
+// re-implements the ring. The drop-downs pick one of the traces Python precomputed for a grid of
+// settings. Works live (frame and choice sync to Python) and in a static page (no kernel).
+// Colours of text, edges and controls come from CSS variables (stepper.css) that follow the
+// page's light or dark theme; slot fills are the figures' palette, with dark text on them.
 
 /**
- * @typedef {{kind: string, caption: string, positions: number[][], start: number[],
- *   written: number[][], evicted: number[][], moved: number[], queries: number[][],
- *   keys: number[][], band: boolean[][][], slot_state: string[][]}} Frame
- * @typedef {{layout: string, window: number, rows: number, frames: Frame[]}} Trace
+ * @typedef {{caption: string, arithmetic: string, positions: number[][], start: number[],
+ *   written: number[][], evicted: number[][], queries: number[][], keys: number[][],
+ *   band: string[][], states: string[]}} Frame
+ *   band: per row, per query, one '1' (visible) or '0' per key; states: per row, one letter per
+ *   slot (v visible, s stale, f future, e empty)
+ * @typedef {{layout: string, window: number, rows: number, frames: Frame[]}} View
+ *   as synced, a view's frames are indices into the model's "frames" (each distinct frame once)
+ * @typedef {{name: string, label: string, values: string[]}} Param
  */
 
 const SVG = "http://www.w3.org/2000/svg";
+const STATE = { v: "visible", s: "stale", f: "future", e: "empty" };
+const FG = "var(--rv-fg)", MUTED = "var(--rv-muted)", EDGE = "var(--rv-edge)", EVICT = "var(--rv-evict)";
 
-/** @param {string} tag @param {Record<string, string | number>} attrs @param {Element} [parent] */
+/** Attributes whose value is a CSS variable go into style (presentation attributes cannot). */
 function el(tag, attrs, parent) {
   const node = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  for (const [k, v] of Object.entries(attrs)) {
+    const s = String(v);
+    if (s.startsWith("var(")) node.style.setProperty(k, s);
+    else node.setAttribute(k, s);
+  }
   if (parent) parent.appendChild(node);
   return node;
 }
 
-/** @param {Element} parent @param {number} x @param {number} y @param {string} text */
 function label(parent, x, y, text, attrs = {}) {
-  const t = el("text", { x, y, "text-anchor": "middle", "dominant-baseline": "central", ...attrs }, parent);
+  const t = el("text", { x, y, "text-anchor": "middle", "dominant-baseline": "central", fill: FG, ...attrs }, parent);
   t.textContent = text;
   return t;
 }
 
 /** @param {Frame} f @param {number} row */
 function states(f, row) {
-  return f.slot_state.length ? f.slot_state[row] : f.positions[row].map((p) => (p < 0 ? "empty" : "visible"));
+  return f.states.length ? [...f.states[row]].map((c) => STATE[c]) : f.positions[row].map((p) => (p < 0 ? "empty" : "visible"));
 }
 
 /** Slot of the row's newest token (the write pointer), or -1 when the row is empty. */
@@ -37,27 +49,32 @@ function writeSlot(/** @type {number[]} */ positions) {
   return newest < 0 ? -1 : positions.indexOf(newest);
 }
 
-/** One row of slots with pointers and evictions; returns the height used. */
-function drawRow(svg, trace, f, row, x0, y0, cell, colors) {
+/** A slot's fill: empty slots are hatched, the rest take the palette colour of their state. */
+function fill(pos, state, colors) {
+  return pos < 0 ? "url(#ringviz-hatch)" : colors[state];
+}
+
+/** One row of slots with slot numbers, pointers and evictions; returns the height used. */
+function drawRow(svg, view, f, row, x0, y0, cell, colors) {
   const written = new Set(f.written[row]);
   const st = states(f, row);
   f.positions[row].forEach((pos, s) => {
     const x = x0 + s * cell;
     const w = written.has(s);
+    if (row === 0) label(svg, x + cell / 2, y0 - 8, s === 0 ? "slot 0" : String(s), { "font-size": 11, fill: MUTED, class: "slot-index" });
     el("rect", {
       x: x + 2, y: y0, width: cell - 4, height: cell - 4, rx: 3,
-      fill: pos < 0 ? "url(#ringviz-hatch)" : colors[st[s]],
-      stroke: w ? colors.write : colors.edge, "stroke-width": w ? 3.5 : 1,
+      fill: fill(pos, st[s], colors), stroke: w ? colors.write : EDGE, "stroke-width": w ? 3.5 : 1,
       class: `slot slot-${st[s]}${w ? " slot-written" : ""}`,
     }, svg);
-    if (pos >= 0) label(svg, x + cell / 2, y0 + (cell - 4) / 2, String(pos), { "font-weight": w ? "bold" : "normal" });
+    if (pos >= 0) label(svg, x + cell / 2, y0 + (cell - 4) / 2, String(pos), { fill: "#000", "font-weight": w ? "bold" : "normal" });
   });
-  const end = x0 + trace.window * cell + 8;
+  const end = x0 + view.window * cell + 8;
   if (f.evicted[row].length) {
     label(svg, end, y0 + cell / 2 - 2, `evicted ${f.evicted[row].join(", ")}`,
-      { "text-anchor": "start", fill: colors.evict, class: "evicted" });
+      { "text-anchor": "start", fill: EVICT, class: "evicted", "font-weight": "bold" });
   }
-  if (trace.layout === "ring") {
+  if (view.layout === "ring") {
     const ws = writeSlot(f.positions[row]);
     if (ws >= 0) {
       // both pointers on one line under the row: write right of centre, start left of it
@@ -69,15 +86,15 @@ function drawRow(svg, trace, f, row, x0, y0, cell, colors) {
       tri(f.start[row], -7, colors.start, "start-pointer");
     }
   }
-  if (trace.rows > 1) {
+  if (view.rows > 1) {
     label(svg, x0 - 8, y0 + cell / 2 - 2, `row ${row}`, { "text-anchor": "end", class: "row-label" });
   }
   return cell + 22;
 }
 
 /** The ring as a circle (single-row ring traces): slot 0 at 12 o'clock, clockwise. */
-function drawCircle(svg, trace, f, cx, cy, r, colors) {
-  const W = trace.window, st = states(f, 0), written = new Set(f.written[0]);
+function drawCircle(svg, view, f, cx, cy, r, colors) {
+  const W = view.window, st = states(f, 0), written = new Set(f.written[0]);
   const pt = (a, rad) => [cx + rad * Math.sin(a), cy - rad * Math.cos(a)];
   for (let s = 0; s < W; s++) {
     const a0 = (2 * Math.PI * s) / W, a1 = (2 * Math.PI * (s + 1)) / W, big = a1 - a0 > Math.PI ? 1 : 0;
@@ -85,13 +102,13 @@ function drawCircle(svg, trace, f, cx, cy, r, colors) {
     const pos = f.positions[0][s];
     el("path", {
       d: `M${x0},${y0} A${r},${r} 0 ${big} 1 ${x1},${y1} L${x2},${y2} A${r * 0.6},${r * 0.6} 0 ${big} 0 ${x3},${y3} Z`,
-      fill: pos < 0 ? "url(#ringviz-hatch)" : colors[st[s]],
-      stroke: written.has(s) ? colors.write : colors.edge, "stroke-width": written.has(s) ? 3.5 : 1,
+      fill: fill(pos, st[s], colors),
+      stroke: written.has(s) ? colors.write : EDGE, "stroke-width": written.has(s) ? 3.5 : 1,
     }, svg);
     const [tx, ty] = pt((a0 + a1) / 2, r * 0.8);
-    if (pos >= 0) label(svg, tx, ty, String(pos));
+    if (pos >= 0) label(svg, tx, ty, String(pos), { fill: "#000" });
     const [sx, sy] = pt((a0 + a1) / 2, r * 1.13);
-    label(svg, sx, sy, String(s), { fill: colors.edge, "font-size": 10 });
+    label(svg, sx, sy, String(s), { fill: MUTED, "font-size": 11 });
   }
   const ws = writeSlot(f.positions[0]);
   if (ws >= 0) {
@@ -100,123 +117,175 @@ function drawCircle(svg, trace, f, cx, cy, r, colors) {
       el("line", { x1: cx, y1: cy, x2: ex, y2: ey, stroke: color, "stroke-width": 3, "marker-end": `url(#ringviz-arrow-${color === colors.write ? "w" : "s"})` }, svg);
     }
   }
+  label(svg, cx, cy + r + 24, `slot = pos % ${W}`, { "font-size": 12, fill: MUTED });
 }
 
-/** Queries x keys of the current step (single-row traces), coloured like the slots. */
-function drawBand(svg, trace, f, x0, y0, cell, colors) {
-  const q = f.queries[0], k = f.keys[0];
-  label(svg, x0, y0 + 6, `mask of this step: query (rows) x key position (columns), W=${trace.window}`,
-    { "text-anchor": "start", "font-size": 11 });
-  const top = y0 + 18;
-  k.forEach((key, j) => label(svg, x0 + 34 + j * cell + cell / 2, top + 6, String(key), { "font-size": 9 }));
+/** Queries x keys of the current step (single-row traces), coloured like the slots. The key
+ * axis is split into the keys that were in the ring and the step's own chunk (the queries);
+ * chunk keys that the ring did not keep are marked "never stored". Returns the height used. */
+function drawBand(svg, view, f, x0, y0, cell, rowsShown, colors) {
+  const q = f.queries[0], k = f.keys[0], inChunk = new Set(q), kept = new Set(f.positions[0]);
+  label(svg, x0, y0 + 8, `mask of this step: query (rows) x key position (columns), W=${view.window}`,
+    { "text-anchor": "start", "font-size": 13, "font-weight": "bold" });
+  const gx = x0 + 40, top = y0 + 26;
+  const ringKeys = k.filter((key) => !inChunk.has(key));
+  const groups = [["ring", 0, ringKeys.length], ["chunk", ringKeys.length, k.length]].filter((g) => g[2] > g[1] && q.length > 1);
+  for (const [name, a, b] of groups) {
+    el("path", { d: `M${gx + a * cell + 2},${top + 10} v-6 H${gx + b * cell - 2} v6`, fill: "none", stroke: MUTED }, svg);
+    label(svg, gx + ((a + b) / 2) * cell, top - 4, name, { "font-size": 12, fill: MUTED });
+  }
+  const kTop = top + 14;
+  k.forEach((key, j) => {
+    const never = inChunk.has(key) && !kept.has(key);
+    label(svg, gx + j * cell + cell / 2, kTop + 8, String(key), { "font-size": 12, "text-decoration": never ? "line-through" : "none", fill: never ? EVICT : FG, class: never ? "never-stored" : "key" });
+  });
+  const state = (i, j) => (f.band[0][i][j] === "1" ? "visible" : k[j] > q[i] ? "future" : "stale");
   q.forEach((query, i) => {
-    const y = top + 14 + i * cell;
-    label(svg, x0 + 28, y + cell / 2, String(query), { "text-anchor": "end", "font-size": 9 });
+    const y = kTop + 18 + i * cell;
+    label(svg, gx - 6, y + cell / 2, String(query), { "text-anchor": "end", "font-size": 12 });
     k.forEach((key, j) => {
-      const state = f.band[0][i][j] ? "visible" : key > query ? "future" : "stale";
-      el("rect", { x: x0 + 34 + j * cell, y, width: cell - 1, height: cell - 1, fill: colors[state], class: `band-${state}` }, svg);
+      el("rect", { x: gx + j * cell, y, width: cell - 2, height: cell - 2, fill: colors[state(i, j)], class: `band-${state(i, j)}` }, svg);
     });
   });
-  const used = new Set(q.flatMap((query, i) => k.map((key, j) => (f.band[0][i][j] ? "visible" : key > query ? "future" : "stale"))));
-  let lx = x0 + 40 + k.length * cell + 16;
-  for (const state of ["visible", "stale", "future"].filter((s) => used.has(s))) {
-    el("rect", { x: lx, y: top + 14, width: 12, height: 12, fill: colors[state] }, svg);
-    label(svg, lx + 16, top + 20, state, { "text-anchor": "start", "font-size": 10 });
-    lx += 30 + state.length * 6;
+  const used = new Set(q.flatMap((_, i) => k.map((__, j) => state(i, j))));
+  let lx = gx + k.length * cell + 20;
+  let ly = kTop + 18;
+  for (const s of ["visible", "stale", "future"].filter((s) => used.has(s))) {
+    el("rect", { x: lx, y: ly, width: 14, height: 14, fill: colors[s] }, svg);
+    label(svg, lx + 20, ly + 7, s, { "text-anchor": "start", "font-size": 12 });
+    ly += 20;
   }
-  return 32 + q.length * cell;
+  if (k.some((key) => inChunk.has(key) && !kept.has(key))) {
+    label(svg, lx, ly + 7, "struck key: never stored", { "text-anchor": "start", "font-size": 12 });
+  }
+  return kTop + 18 + rowsShown * cell - y0;
 }
 
 function defs(svg, colors) {
   const d = el("defs", {}, svg);
   const p = el("pattern", { id: "ringviz-hatch", width: 6, height: 6, patternUnits: "userSpaceOnUse", patternTransform: "rotate(45)" }, d);
-  el("rect", { width: 6, height: 6, fill: "#fff" }, p);
-  el("line", { x1: 0, y1: 0, x2: 0, y2: 6, stroke: "#bbb", "stroke-width": 2 }, p);
-  for (const [id, color] of [["w", colors.write], ["s", colors.start], ["e", colors.edge]]) {
+  el("rect", { width: 6, height: 6, fill: "var(--rv-bg)" }, p);
+  el("line", { x1: 0, y1: 0, x2: 0, y2: 6, stroke: "var(--rv-hatch)", "stroke-width": 2 }, p);
+  for (const [id, color] of [["w", colors.write], ["s", colors.start], ["e", EDGE]]) {
     const m = el("marker", { id: `ringviz-arrow-${id}`, viewBox: "0 0 10 10", refX: 8, refY: 5, markerWidth: 4, markerHeight: 4, orient: "auto" }, d);
     el("path", { d: "M0,0 L10,5 L0,10 z", fill: color }, m);
   }
 }
 
 function legend(svg, x, y, colors, ring) {
-  const items = [["visible", colors.visible], ["empty", "url(#ringviz-hatch)"], ["written", "#fff"]];
+  const items = [["visible", colors.visible], ["empty", "url(#ringviz-hatch)"], ["written", "var(--rv-bg)"]];
   let cx = x;
-  for (const [name, fill] of items) {
-    el("rect", { x: cx, y, width: 14, height: 14, fill, stroke: name === "written" ? colors.write : colors.edge, "stroke-width": name === "written" ? 3 : 1 }, svg);
-    label(svg, cx + 20, y + 7, name, { "text-anchor": "start", "font-size": 11 });
-    cx += 34 + name.length * 6;
+  for (const [name, color] of items) {
+    el("rect", { x: cx, y, width: 14, height: 14, fill: color, stroke: name === "written" ? colors.write : EDGE, "stroke-width": name === "written" ? 3 : 1 }, svg);
+    label(svg, cx + 20, y + 7, name, { "text-anchor": "start", "font-size": 12 });
+    cx += 36 + name.length * 7;
   }
   if (!ring) return;
   for (const [name, color] of [["write pointer", colors.write], ["start", colors.start]]) {
     el("path", { d: `M${cx + 7},${y + 1} l-6,11 h12 z`, fill: color }, svg);
-    label(svg, cx + 18, y + 7, name, { "text-anchor": "start", "font-size": 11 });
-    cx += 30 + name.length * 6;
+    label(svg, cx + 18, y + 7, name, { "text-anchor": "start", "font-size": 12 });
+    cx += 32 + name.length * 7;
   }
 }
 
-/** Redraw the whole SVG for the model's current frame. */
-function draw(model, svg, caption, slider, counter) {
-  /** @type {Trace} */
-  const trace = model.get("trace");
+/** The view on display, its frame indices resolved against the shared frame table. */
+function currentView(model) {
+  const table = model.get("frames"), v = model.get("views")[model.get("choice")];
+  return { ...v, frames: v.frames.map((i) => table[i]) };
+}
+
+/** Redraw the whole SVG for the model's current trace and frame. The SVG keeps one size for
+ * every frame of a trace (the band is sized for the step with the most queries), so stepping
+ * never moves what lies below it. */
+function draw(model, parts) {
+  const { svg, caption, arithmetic, slider, counter, selects } = parts;
+  /** @type {View} */
+  const view = currentView(model);
   const colors = model.get("colors");
-  const n = trace.frames.length;
+  const n = view.frames.length;
   const i = Math.max(0, Math.min(model.get("frame"), n - 1));
-  const f = trace.frames[i];
+  const f = view.frames[i];
   svg.replaceChildren();
   defs(svg, colors);
-  const cell = Math.max(22, Math.min(44, Math.floor(440 / trace.window)));
-  const x0 = trace.rows > 1 ? 60 : 20;
-  const ring = trace.layout === "ring";
-  let y = ring ? 40 : 12;
+  const cell = Math.max(26, Math.min(44, Math.floor(440 / view.window)));
+  const x0 = view.rows > 1 ? 60 : 20;
+  const ring = view.layout === "ring";
+  let y = ring ? 58 : 26;
   if (ring) {
-    const x1 = x0 + (trace.window - 0.5) * cell, xa = x0 + cell / 2;
-    el("path", { d: `M${x1},${y - 4} C${x1},${y - 22} ${xa},${y - 22} ${xa},${y - 6}`, fill: "none", stroke: colors.edge, "marker-end": "url(#ringviz-arrow-e)" }, svg);
-    label(svg, x0, y - 28, `after slot ${trace.window - 1} the next write wraps to slot 0`, { "text-anchor": "start", "font-size": 10, fill: colors.edge });
+    const x1 = x0 + (view.window - 0.5) * cell, xa = x0 + cell / 2;
+    el("path", { d: `M${x1},${y - 20} C${x1},${y - 38} ${xa},${y - 38} ${xa},${y - 22}`, fill: "none", stroke: EDGE, "marker-end": "url(#ringviz-arrow-e)" }, svg);
+    label(svg, x0, y - 46, `after slot ${view.window - 1} the next write wraps to slot 0`, { "text-anchor": "start", "font-size": 12, fill: MUTED });
   }
-  for (let row = 0; row < trace.rows; row++) y += drawRow(svg, trace, f, row, x0, y, cell, colors);
-  let width = x0 + trace.window * cell + 150;
+  for (let row = 0; row < view.rows; row++) y += drawRow(svg, view, f, row, x0, y, cell, colors);
+  let width = x0 + view.window * cell + 150;
   let height = y;
-  if (ring && trace.rows === 1 && model.get("show_circle")) {
+  if (ring && view.rows === 1 && model.get("show_circle")) {
     const r = 80;
-    drawCircle(svg, trace, f, width + r + 10, r + 20, r, colors);
+    drawCircle(svg, view, f, width + r + 10, r + 24, r, colors);
     width += 2 * r + 40;
-    height = Math.max(height, 2 * r + 40);
+    height = Math.max(height, 2 * r + 64);
   }
   legend(svg, x0, height + 2, colors, ring);
-  width = Math.max(width, x0 + (ring ? 450 : 260));  // room for the legend
+  width = Math.max(width, x0 + (ring ? 480 : 280));  // room for the legend
   height += 24;
-  if (ring && trace.rows === 1 && model.get("show_band") && f.queries[0].length && f.keys[0].length) {
-    const bcell = Math.max(8, Math.min(16, Math.floor(400 / f.keys[0].length)));
-    height += drawBand(svg, trace, f, x0, height + 4, bcell, colors) + 8;
-    width = Math.max(width, x0 + 40 + f.keys[0].length * bcell + 220);
+  const bandFrames = view.frames.filter((g) => g.queries.length && g.queries[0].length && g.keys[0].length);
+  if (ring && view.rows === 1 && model.get("show_band") && bandFrames.length) {
+    const maxKeys = Math.max(...bandFrames.map((g) => g.keys[0].length));
+    const maxQueries = Math.max(...bandFrames.map((g) => g.queries[0].length));
+    const bcell = Math.max(20, Math.min(30, Math.floor(520 / maxKeys)));
+    if (f.queries[0].length && f.keys[0].length) drawBand(svg, view, f, x0, height + 4, bcell, maxQueries, colors);
+    height += 4 + 40 + 18 + maxQueries * bcell + 8;
+    width = Math.max(width, x0 + 40 + maxKeys * bcell + 200);
   }
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
   svg.setAttribute("width", String(width));
   svg.setAttribute("height", String(height));
   caption.textContent = f.caption;
+  arithmetic.textContent = f.arithmetic;
   svg.setAttribute("aria-label", `step ${i}: ${f.caption}`);
   slider.max = String(n - 1);
   slider.value = String(i);
   counter.textContent = `step ${i} / ${n - 1}`;
+  let rest = model.get("choice");  // choice -> one index per drop-down (row-major, last fastest)
+  for (let p = selects.length - 1; p >= 0; p--) {
+    const m = selects[p].options.length;
+    selects[p].value = String(rest % m);
+    rest = Math.floor(rest / m);
+  }
 }
 
 function render({ model, el: host }) {
   const root = document.createElement("div");
   root.className = "ringviz-stepper";
   root.tabIndex = 0;
+  /** @type {Param[]} */
+  const params = model.get("params");
+  const settings = document.createElement("div");
+  settings.className = "ringviz-params";
+  const selects = params.map((p) => {
+    const wrap = document.createElement("label");
+    wrap.append(`${p.label} `);
+    const s = document.createElement("select");
+    s.name = p.name;
+    p.values.forEach((v, j) => s.add(new Option(v, String(j))));
+    wrap.appendChild(s);
+    settings.appendChild(wrap);
+    return s;
+  });
   const bar = document.createElement("div");
   bar.className = "ringviz-controls";
-  const button = (text, title) => {
+  const button = (text, title, cls) => {
     const b = document.createElement("button");
     b.type = "button";
+    b.className = cls;
     b.textContent = text;
     b.title = title;
     bar.appendChild(b);
     return b;
   };
-  const prev = button("◀ prev", "previous step (left arrow)");
-  const play = button("▶ play", "play / pause (space)");
-  const next = button("next ▶", "next step (right arrow)");
+  const prev = button("◀ prev", "previous step (left arrow)", "rv-prev");
+  const play = button("▶ play", "play / pause (space)", "rv-play");
+  const next = button("next ▶", "next step (right arrow)", "rv-next");
   const slider = document.createElement("input");
   slider.type = "range";
   slider.min = "0";
@@ -228,19 +297,33 @@ function render({ model, el: host }) {
   const caption = document.createElement("div");
   caption.className = "ringviz-caption";
   caption.setAttribute("aria-live", "polite");
+  const arithmetic = document.createElement("div");
+  arithmetic.className = "ringviz-arithmetic";
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("role", "img");
-  root.append(bar, caption, svg);
+  if (params.length) root.append(settings);
+  root.append(bar, caption, arithmetic, svg);
   host.appendChild(root);
 
-  const count = () => model.get("trace").frames.length;
-  const go = (/** @type {number} */ i) => {
-    model.set("frame", Math.max(0, Math.min(i, count() - 1)));
+  const count = () => model.get("views")[model.get("choice")].frames.length;
+  const sync = () => {
     try {
       model.save_changes();
     } catch (err) {
       // static page: no kernel to sync with; the view has already followed model.set
     }
+  };
+  const go = (/** @type {number} */ i) => {
+    model.set("frame", Math.max(0, Math.min(i, count() - 1)));
+    sync();
+  };
+  const pick = () => {  // the drop-downs' indices -> the precomputed trace they name
+    let c = 0;
+    selects.forEach((s) => { c = c * s.options.length + Number(s.value); });
+    const frames = model.get("views")[c].frames.length;
+    model.set("frame", Math.min(model.get("frame"), frames - 1));  // keep the place if it exists
+    model.set("choice", c);
+    sync();
   };
   let timer = 0;
   const stop = () => { clearInterval(timer); timer = 0; play.textContent = "▶ play"; };
@@ -254,18 +337,25 @@ function render({ model, el: host }) {
   next.addEventListener("click", () => { stop(); go(model.get("frame") + 1); });
   play.addEventListener("click", toggle);
   slider.addEventListener("input", () => { stop(); go(Number(slider.value)); });
+  selects.forEach((s) => s.addEventListener("change", () => { stop(); pick(); }));
   root.addEventListener("keydown", (e) => {
+    if (e.target instanceof HTMLSelectElement) return;  // arrows change the drop-down there
     const moves = { ArrowLeft: -1, ArrowRight: 1 };
     if (e.key in moves) { stop(); go(model.get("frame") + moves[e.key]); }
     else if (e.key === " ") toggle();
     else return;
     e.preventDefault();
   });
-  const redraw = () => draw(model, svg, caption, slider, counter);
+  const redraw = () => draw(model, { svg, caption, arithmetic, slider, counter, selects });
   model.on("change:frame", redraw);
-  model.on("change:trace", redraw);
+  model.on("change:choice", redraw);
+  model.on("change:views", redraw);
+  model.on("change:frames", redraw);
   redraw();
-  return () => { stop(); model.off("change:frame", redraw); model.off("change:trace", redraw); };
+  return () => {
+    stop();
+    for (const name of ["frame", "choice", "views", "frames"]) model.off(`change:${name}`, redraw);
+  };
 }
 
 export default { render };

@@ -1,0 +1,112 @@
+"""Greedy speculative decoding on a real model whose layers keep their KV in draft rings.
+
+Every layer of the target model gets one :mod:`ringviz.speculative` engine instead of a plain
+``RingKVCache``. The draft is prompt lookup (no model, no cache of its own): the ``k`` tokens
+that followed the latest earlier occurrence of the text's last ``ngram`` tokens. One cycle::
+
+    chunk = [target's last token, k draft tokens] -> verify (one forward, k + 1 positions)
+    -> keep the drafts the target's argmax agrees with -> commit them to every layer's ring
+
+With greedy acceptance the output must equal plain greedy decoding token for token; that is the
+test a ring that loses keys fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ringviz.models.drive import RingRunner
+from ringviz.speculative import DraftRing
+
+
+class DraftRunner(RingRunner):
+    """A ``RingRunner`` whose layers hold ``engine`` rings: ``forward`` prefills, then
+    :meth:`verify` and :meth:`commit` per cycle."""
+
+    def __init__(self, model, engine: type[DraftRing], window: int | None, max_draft: int,
+                 capacity: int, batch_size: int = 1) -> None:
+        super().__init__(model, batch_size, window, capacity)
+        param, config = next(model.parameters()), model.config
+        self.max_draft = max_draft
+        self.caches = [  # replace the plain rings; a full layer's ring never wraps
+            engine(batch_size, config.num_key_value_heads, w or capacity, config.head_dim,
+                   max_draft, dtype=param.dtype, device=param.device)
+            for w in self.windows
+        ]
+        self._verifying = False
+
+    def attend(self, layer, q, k, v, positions, scale):
+        ring = self.caches[layer]
+        call = ring.verify if self._verifying else ring.prefill
+        return call(q, k, v, positions, scale=scale)
+
+    def verify(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, T, vocab)`` of a draft chunk; every layer then waits for a commit."""
+        self._verifying = True
+        try:
+            return self.forward(input_ids, positions)
+        finally:
+            self._verifying = False
+
+    def commit(self, accepted: torch.Tensor) -> None:
+        """Keep the first ``accepted[b]`` tokens of the verified chunk in every layer."""
+        for ring in self.caches:
+            ring.commit(accepted)
+
+
+def lookup_draft(seq: list[int], k: int, ngram: int = 2) -> list[int]:
+    """Prompt-lookup draft: the ``k`` tokens after the latest earlier copy of the last n-gram.
+
+    Padded with the last token when the copy is too short or there is none.
+
+    >>> lookup_draft([5, 6, 7, 8, 5, 6], k=3)
+    [7, 8, 5]
+    >>> lookup_draft([1, 2, 3], k=2)
+    [3, 3]
+    """
+    tail = seq[-ngram:]
+    follow: list[int] = []
+    for i in range(len(seq) - ngram - 1, -1, -1):
+        if seq[i:i + ngram] == tail:
+            follow = seq[i + ngram:i + ngram + k]
+            break
+    return (follow + [seq[-1]] * k)[:k]
+
+
+@torch.no_grad()
+def speculative_generate(runner: DraftRunner, prompt: torch.Tensor, new_tokens: int, *,
+                         draft: Callable[[list[int], int], list[int]] = lookup_draft,
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Greedy speculative decoding of one row through ``runner`` (batch size 1).
+
+    ``draft(tokens so far, k)`` proposes the next ``k`` tokens (default: prompt lookup).
+    Returns the ``new_tokens`` generated ids, the logits ``(L, vocab)`` the target computed at
+    every committed position ``0 .. L-1`` (prompt and accepted tokens), and the tokens kept
+    per cycle.
+    """
+    if runner.caches[0].cache.batch_size != 1 or prompt.ndim != 1 or new_tokens < 1:
+        raise ValueError("speculative_generate decodes one row: a (P,) prompt, a runner of "
+                         f"batch size 1, new_tokens >= 1 (got {new_tokens})")
+    device, k = prompt.device, runner.max_draft
+    logits = [runner.forward(prompt[None], torch.arange(len(prompt), device=device)[None])[0]]
+    seq, nxt, kept = prompt.tolist(), int(logits[0][-1].argmax()), []
+    while len(seq) - len(prompt) + 1 < new_tokens:
+        guess = draft(seq + [nxt], k)
+        if len(guess) != k:
+            raise ValueError(f"draft proposed {len(guess)} tokens, not k = {k}")
+        n = len(seq)
+        chunk = torch.tensor([[nxt, *guess]], device=device)
+        out = runner.verify(chunk, torch.arange(n, n + k + 1, device=device)[None])[0]
+        pred = out.argmax(-1).tolist()  # the target's token after each chunk position
+        a = 0
+        while a < k and guess[a] == pred[a]:
+            a += 1
+        runner.commit(torch.tensor([a + 1], device=device))
+        seq += [nxt, *guess[:a]]
+        logits.append(out[:a + 1])
+        nxt = pred[a]
+        kept.append(a + 1)
+    generated = torch.tensor(seq[len(prompt):] + [nxt], device=device)[:new_tokens]
+    return generated, torch.cat(logits)[:len(prompt) + new_tokens - 1], kept
