@@ -22,7 +22,7 @@ decode) and returns their attention output:
 * ``T > 1`` (prefill, chunks, also ``T > window``): attend over ``[sinks | ring | chunk]``
   first, then write. A chunk longer than the window would otherwise overwrite keys its own
   early queries still need (the executorch #20346 failure). The chunk's own sink tokens are
-  written first (sink slots are never overwritten, so nothing a query needs is lost).
+  scored in the sink columns, from a copy of the S sink slots.
 
 Keys arrive rotated at their absolute positions and stay so. Two RoPE conventions for sinks:
 
@@ -297,13 +297,19 @@ class RingKVCache:
                                  self.sink_rope)
         return sink_attention(q, keys, values, mask, sink_keys, scale=scale)
 
-    def _write_sinks(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Store a chunk's sink tokens (positions < S) ahead of its attention."""
+    def _sinks_with(self, k: torch.Tensor, v: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sink slots' keys, values ``(B, Hkv, S, D)`` and positions ``(B, S)`` as they will be
+        once this chunk's sink tokens (positions < S) are stored: a copy of S slots, so the
+        chunk's queries score every sink alike while nothing is written before attention."""
         B, H, T, D = k.shape
-        slot = torch.where((positions >= 0) & (positions < self.sinks), positions, self._spare)
-        self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), k)
-        self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), v)
-        self._pos_store.scatter_(1, slot, positions)
+        S = self.sinks
+        slot = torch.where((positions >= 0) & (positions < S), positions, S)  # S: a scratch
+        index = slot[:, None, :, None].expand(B, H, T, D)
+        sink_k = self._k_store[:, :, :S + 1].clone().scatter_(2, index, k)[:, :, :S]
+        sink_v = self._v_store[:, :, :S + 1].clone().scatter_(2, index, v)[:, :, :S]
+        sink_pos = self._pos_store[:, :S + 1].clone().scatter_(1, slot, positions)[:, :S]
+        return sink_k, sink_v, sink_pos
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
              *, scale: float | None = None, check: bool = True) -> torch.Tensor:
@@ -323,15 +329,21 @@ class RingKVCache:
             if self.sink_rope is None:
                 return masked_attention(q, self.k, self.v, mask, scale=scale)
             return self._attention(q, positions, self.k, self.v, mask, scale)
-        chunk_positions = positions
-        if self.sinks:  # the chunk's sinks join the sink slots now, its other tokens after
-            self._write_sinks(k, v, positions)
-            chunk_positions = positions.masked_fill(positions < self.sinks, -1)
         # padding keys are masked out, but 0 * NaN is NaN: zero them so garbage cannot leak
         pad = (positions < 0)[:, None, :, None]  # (B, 1, T, 1)
-        keys = torch.cat([self.k, k.masked_fill(pad, 0.0)], dim=2)  # (B, Hkv, S+W+T, D)
-        values = torch.cat([self.v, v.masked_fill(pad, 0.0)], dim=2)
-        mask = self._mask(positions, torch.cat([self.positions, chunk_positions], dim=1))
+        k_new, v_new = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+        if self.sinks:  # the chunk's sink tokens are scored in the sink columns, not twice
+            sink_k, sink_v, sink_pos = self._sinks_with(k_new, v_new, positions)
+            S = self.sinks
+            keys = torch.cat([sink_k, self.k[:, :, S:], k_new], dim=2)  # (B, Hkv, S+W+T, D)
+            values = torch.cat([sink_v, self.v[:, :, S:], v_new], dim=2)
+            key_pos = torch.cat([sink_pos, self.positions[:, S:],
+                                 positions.masked_fill(positions < S, -1)], dim=1)
+        else:
+            keys = torch.cat([self.k, k_new], dim=2)  # (B, n_kv_heads, W+T, D)
+            values = torch.cat([self.v, v_new], dim=2)
+            key_pos = torch.cat([self.positions, positions], dim=1)
+        mask = self._mask(positions, key_pos)
         out = self._attention(q, positions, keys, values, mask, scale)
         self.write(k, v, positions, check=False)
         return out

@@ -315,3 +315,21 @@ def test_sinks_with_spare_capacity_and_truncate(convention):
     got = spec.step(qr[:, :, 12:], kr[:, :, 12:], v[:, :, 12:], positions[:, 12:])
     assert (got - want[:, :, 12:]).abs().max() <= 1e-12
     assert spec.positions[0, :2].tolist() == [0, 1] and spec.k.shape[2] == 2 + 6
+
+
+def test_a_sink_rope_failing_in_a_chunk_changes_nothing():
+    """Attend first, then write: a rotation that fails mid-chunk leaves the cache as it was."""
+
+    def small_only(x, positions):  # passes the construction probe, fails on larger inputs
+        if x.shape[2] > 2:
+            raise RuntimeError("no table for so many keys")
+        return apply_rope(x, positions)
+
+    cache = RingKVCache(1, 1, 4, 8, sinks=2, sink_rope=small_only)
+    x = torch.randn(1, 1, 1, 8)
+    cache.step(x, x, x, torch.tensor([[0]]))
+    before = snapshot(cache)
+    y = torch.randn(1, 1, 3, 8)
+    with pytest.raises(RuntimeError, match="no table"):
+        cache.step(y, y, y, torch.tensor([[1, 2, 3]]))
+    assert snapshot(cache) == before
