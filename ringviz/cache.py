@@ -1,21 +1,40 @@
 """The batched ring KV cache (torch): fixed storage, one slot write per token, exact attention.
 
-Storage ``k``/``v`` of shape ``(B, n_kv_heads, window, head_dim)`` is allocated once and only
-ever written in place, so its address never changes (CUDA-graph friendly) and its size never
-grows. Beside it, ``positions`` ``(B, window)`` records the absolute position held by each slot
-(-1 = empty); masks are computed from it, never from slot order. One spare slot per row sits
+Storage ``k``/``v`` of shape ``(B, n_kv_heads, S + window, head_dim)`` is allocated once and
+only ever written in place, so its address never changes (CUDA-graph friendly) and its size never
+grows. Beside it, ``positions`` ``(B, S + window)`` records the absolute position held by each
+slot (-1 = empty); masks are computed from it, never from slot order. One spare slot per row sits
 just past the window (outside ``k``/``v``/``positions``, which are views): tokens that must not
 be stored (padding, or chunk tokens that a later token of the same chunk overwrites) are written
 there, so a write is a plain scatter that never reads old values back and needs no host sync.
 
+Slots, per row: ``[ S sink slots | W ring slots | spare ]``. With ``sinks=0`` (the default) there
+are no sink slots and position ``pos`` goes to slot ``pos % window``. With ``sinks=S``
+(StreamingLLM's attention sinks) positions ``0 .. S-1`` go to slots ``0 .. S-1`` and are never
+overwritten, every later position to slot ``S + pos % window``; a query at ``p`` sees
+``0 .. S-1`` and ``p-W+1 .. p``. (With ``capacity=C``, below, the ring has C slots instead of W.)
+
 One call, :meth:`RingKVCache.step`, takes a chunk of ``T`` new tokens per row (``T = 1`` is
 decode) and returns their attention output:
 
-* ``T == 1``: write the token into slot ``pos % window``, then attend over the raw ring
-  (``window`` keys, in slot order, masked by stored positions). No copy, no reordering.
-* ``T > 1`` (prefill, chunks, also ``T > window``): attend over ``[ring | chunk]`` first,
-  then write. A chunk longer than the window would otherwise overwrite keys its own early
-  queries still need (the executorch #20346 failure).
+* ``T == 1``: write the token into its slot, then attend over the raw storage
+  (``S + window`` keys, in slot order, masked by stored positions). No copy, no reordering.
+* ``T > 1`` (prefill, chunks, also ``T > window``): attend over ``[sinks | ring | chunk]``
+  first, then write. A chunk longer than the window would otherwise overwrite keys its own
+  early queries still need (the executorch #20346 failure). The chunk's own sink tokens are
+  scored in the sink columns, from a copy of the S sink slots.
+
+Keys arrive rotated at their absolute positions and stay so. Two RoPE conventions for sinks:
+
+* ``sink_rope=None``: every key keeps its absolute rotation, so a query at ``p`` sees sink ``j``
+  at distance ``p - j``, which grows without bound (mlx-lm's ``RotatingKVCache(keep=S)``).
+* ``sink_rope=f`` (``f(x, positions)`` rotates like :func:`ringviz.apply_rope`): StreamingLLM's
+  positions inside the cache. StreamingLLM re-rotates ``[sinks | window]`` at ``0 .. n-1`` every
+  step; a window key's distance to the query is then the same as with absolute positions, and
+  only a sink ``j`` differs: it is scored as if the query sat at ``c = min(p, S + W - 1)``. Since
+  ``<R(p) q, R(p - c) R(j) k> = <R(c) q, R(j) k>``, rotating just the ``S`` sink keys by
+  ``p - c`` (:func:`sink_shift`) gives StreamingLLM's scores exactly: ``O(S)`` work per query,
+  the window never re-rotated, the stored sinks never changed.
 
 Padding (position -1, left or right) never takes a slot; a query with nothing visible gets
 zeros, never NaN. Every check runs before anything is written: a rejected call changes nothing.
@@ -30,6 +49,8 @@ Things to know (by design, not checked):
   (inf, NaN) can reach queries that cannot see it: a masked key still enters SDPA's
   ``weights @ values`` with weight 0, and ``0 * NaN`` is NaN. Whether it does depends on the
   chunking (which masked slots share a call). Keep k/v finite.
+* ``sink_rope`` reproduces StreamingLLM for rows whose positions run ``0, 1, 2, ...``; for other
+  rows it applies the same rule, ``c = min(p, S + W - 1)``, to their absolute positions.
 
 Speculative decoding (chapter 13) adds two things, both unused by default: ``capacity`` slots
 per row (default ``window``; slot = ``pos % capacity``, masks still use ``window``), and
@@ -43,9 +64,23 @@ per row (default ``window``; slot = ``pos % capacity``, masks still use ``window
 tensor([[4, 5, 2, 3]])
 >>> cache.start, cache.kv_seqlens
 (tensor([2]), tensor([4]))
+
+Two sinks beside the same ring: positions 0 and 1 stay in slots 0 and 1 for good, the ring
+after them holds the last four positions in slots ``2 + pos % 4``:
+
+>>> from ringviz.rope import apply_rope
+>>> cache = RingKVCache(1, 1, window=4, head_dim=2, sinks=2, sink_rope=apply_rope)
+>>> x = torch.zeros(1, 1, 9, 2)
+>>> _ = cache.step(x, x, x, torch.arange(9)[None])
+>>> cache.positions
+tensor([[0, 1, 8, 5, 6, 7]])
+>>> sink_shift(torch.tensor([[3, 5, 6, 20]]), sinks=2, window=4)  # rotation of the sink keys
+tensor([[ 0,  0,  1, 15]])
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,33 +88,47 @@ import torch.nn.functional as F
 from ringviz.checks import check_int, check_kv, check_scale, check_tensor
 from ringviz.masks import band_mask
 
+Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
 
 class RingKVCache:
-    """A batch of rings, one per row, holding each row's last ``window`` keys and values."""
+    """A batch of rings, one per row, holding each row's last ``window`` keys and values.
+
+    ``sinks=S`` keeps each row's positions ``0 .. S-1`` too, in ``S`` slots before the ring;
+    ``sink_rope`` picks their RoPE convention (module docstring): None = absolute positions,
+    a rotation ``f(x, positions)`` = StreamingLLM's positions inside the cache.
+    """
 
     def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
-                 capacity: int | None = None, dtype: torch.dtype = torch.float32,
+                 sinks: int = 0, sink_rope: Rope | None = None, capacity: int | None = None,
+                 dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None) -> None:
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                             ("window", window), ("head_dim", head_dim)):
             check_int(name, value)
+        self.sinks = check_int("sinks", sinks, minimum=0)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+        self.sink_rope = check_sink_rope(sink_rope, self.sinks, head_dim, dtype,
+                                         torch.empty(0, device=device).device)
         self.batch_size, self.num_kv_heads = batch_size, num_kv_heads
         self.window, self.head_dim = window, head_dim
-        # slots per row: the window, plus any spare slots that rejected drafts may overwrite
+        # ring slots per row: the window, plus any spare slots that rejected drafts may overwrite
         self.capacity = window if capacity is None else check_int("capacity", capacity, window)
-        # Slot `capacity` is a spare, outside the views below: padding tokens and chunk tokens
-        # that a later token of the same chunk overwrites are written there, so a write never
-        # has to read old values back and is one scatter per tensor.
-        store = (batch_size, num_kv_heads, self.capacity + 1, head_dim)
+        # Slots [0, S) hold the sinks, [S, S + capacity) the ring. Slot S + capacity is a spare,
+        # outside the views below: padding tokens and chunk tokens that a later token of the
+        # same chunk overwrites are written there, so a write never has to read old values back
+        # and is one scatter per tensor.
+        n = self.sinks + self.capacity
+        self._spare = n
+        store = (batch_size, num_kv_heads, n + 1, head_dim)
         self._k_store = torch.zeros(store, dtype=dtype, device=device)
         self._v_store = torch.zeros(store, dtype=dtype, device=device)
-        self._pos_store = torch.full((batch_size, self.capacity + 1), -1, dtype=torch.int64,
+        self._pos_store = torch.full((batch_size, n + 1), -1, dtype=torch.int64,
                                      device=self._k_store.device)
-        self.k = self._k_store[:, :, :self.capacity]  # (B, n_kv_heads, capacity, head_dim)
-        self.v = self._v_store[:, :, :self.capacity]  # (B, n_kv_heads, capacity, head_dim)
-        self.positions = self._pos_store[:, :self.capacity]  # (B, capacity), -1 = empty
+        self.k = self._k_store[:, :, :n]  # (B, n_kv_heads, S + capacity, head_dim)
+        self.v = self._v_store[:, :, :n]  # (B, n_kv_heads, S + capacity, head_dim)
+        self.positions = self._pos_store[:, :n]  # (B, S + capacity), -1 = empty
         # newest position per row: kept beside the ring so a decode step never scans all W slots
         self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.k.device)
         self._rows = torch.arange(batch_size, device=self.k.device)  # row index of a decode write
@@ -111,7 +160,11 @@ class RingKVCache:
         return torch.where(self._visible_now().any(dim=-1), oldest, 0)
 
     def _visible_now(self) -> torch.Tensor:
-        return band_mask(self._last_pos[:, None], self.positions, self.window)[:, 0]
+        return self._mask(self._last_pos[:, None], self.positions)[:, 0]
+
+    def _mask(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """``(B, Tq, Tk)`` visibility: the window, plus the sinks when there are any."""
+        return band_mask(q_positions, k_positions, self.window, self.sinks)
 
     def reset(self) -> None:
         """Empty every row (storage stays where it is)."""
@@ -177,11 +230,21 @@ class RingKVCache:
         self._check_q(q, k.shape[2])
 
     # ------------------------------------------------------------------ the ring
+    def _slots(self, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Slot of a token: a sink at ``pos``, others at ``S + pos % capacity``, dropped: spare."""
+        if self.sinks:
+            home = torch.where(positions < self.sinks, positions,
+                               self.sinks + positions % self.capacity)
+        else:
+            home = positions % self.capacity
+        return torch.where(keep, home, self._spare)
+
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
               check: bool = True) -> None:
         """Write ``T`` tokens per row into slots ``pos % capacity``; keep each row's last C.
 
-        Tokens of a chunk that would be overwritten by a later token of the same chunk, and
+        Positions below ``sinks`` go to their sink slots instead, kept for good. Tokens of a
+        chunk that would be overwritten by a later token of the same chunk, and
         padding (-1), are not stored. ``check=False`` skips validation (and its host sync),
         for CUDA-graph capture of a trusted decode loop.
         """
@@ -194,10 +257,13 @@ class RingKVCache:
             keep = positions >= 0
         else:
             newest = torch.maximum(self._last_pos, positions.max(dim=1).values)  # (B,)
-            keep = (positions >= 0) & (positions > newest[:, None] - self.capacity)  # (B, T)
-        # kept tokens of a row span < C positions, so their slots are distinct; the rest share
-        # the spare slot C, whose contents are never read
-        slot = torch.where(keep, positions % self.capacity, self.capacity)  # (B, T)
+            recent = positions > newest[:, None] - self.capacity  # (B, T)
+            if self.sinks:
+                recent = recent | (positions < self.sinks)
+            keep = (positions >= 0) & recent
+        # kept ring tokens of a row span < C positions, so their slots are distinct; the rest
+        # share the spare slot, whose contents are never read
+        slot = self._slots(positions, keep)  # (B, T)
         if T == 1:  # index_put: about half the cost of scatter_ for one token per row
             self._k_store[self._rows, :, slot[:, 0]] = k[:, :, 0]  # (B, n_kv_heads, head_dim)
             self._v_store[self._rows, :, slot[:, 0]] = v[:, :, 0]
@@ -218,8 +284,32 @@ class RingKVCache:
         if q_positions.shape != (self.batch_size, q.shape[2]) or q_positions.is_floating_point():
             raise ValueError(f"q_positions must be integer (B, T) = {(self.batch_size, q.shape[2])}"
                              f", got {q_positions.dtype} {tuple(q_positions.shape)}")
-        mask = band_mask(q_positions.to(torch.int64), self.positions, self.window)  # (B, T, W)
-        return masked_attention(q, self.k, self.v, mask, scale=scale)
+        q_positions = q_positions.to(torch.int64)
+        mask = self._mask(q_positions, self.positions)  # (B, T, S + W)
+        return self._attention(q, q_positions, self.k, self.v, mask, scale)
+
+    def _attention(self, q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tensor,
+                   values: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Masked attention over ``keys`` whose first ``S`` are the sink slots."""
+        if self.sink_rope is None:
+            return masked_attention(q, keys, values, mask, scale=scale)
+        sink_keys = rotate_sinks(keys[:, :, :self.sinks], q_positions, self.window,
+                                 self.sink_rope)
+        return sink_attention(q, keys, values, mask, sink_keys, scale=scale)
+
+    def _sinks_with(self, k: torch.Tensor, v: torch.Tensor,
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sink slots' keys, values ``(B, Hkv, S, D)`` and positions ``(B, S)`` as they will be
+        once this chunk's sink tokens (positions < S) are stored: a copy of S slots, so the
+        chunk's queries score every sink alike while nothing is written before attention."""
+        B, H, T, D = k.shape
+        S = self.sinks
+        slot = torch.where((positions >= 0) & (positions < S), positions, S)  # S: a scratch
+        index = slot[:, None, :, None].expand(B, H, T, D)
+        sink_k = self._k_store[:, :, :S + 1].clone().scatter_(2, index, k)[:, :, :S]
+        sink_v = self._v_store[:, :, :S + 1].clone().scatter_(2, index, v)[:, :, :S]
+        sink_pos = self._pos_store[:, :S + 1].clone().scatter_(1, slot, positions)[:, :S]
+        return sink_k, sink_v, sink_pos
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
              *, scale: float | None = None, check: bool = True) -> torch.Tensor:
@@ -235,14 +325,26 @@ class RingKVCache:
         positions = positions.to(torch.int64)
         if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
             self.write(k, v, positions, check=False)
-            mask = band_mask(positions, self.positions, self.window)  # (B, 1, W)
-            return masked_attention(q, self.k, self.v, mask, scale=scale)
+            mask = self._mask(positions, self.positions)  # (B, 1, S + W)
+            if self.sink_rope is None:
+                return masked_attention(q, self.k, self.v, mask, scale=scale)
+            return self._attention(q, positions, self.k, self.v, mask, scale)
         # padding keys are masked out, but 0 * NaN is NaN: zero them so garbage cannot leak
         pad = (positions < 0)[:, None, :, None]  # (B, 1, T, 1)
-        keys = torch.cat([self.k, k.masked_fill(pad, 0.0)], dim=2)  # (B, n_kv_heads, W+T, D)
-        values = torch.cat([self.v, v.masked_fill(pad, 0.0)], dim=2)
-        mask = band_mask(positions, torch.cat([self.positions, positions], dim=1), self.window)
-        out = masked_attention(q, keys, values, mask, scale=scale)
+        k_new, v_new = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+        if self.sinks:  # the chunk's sink tokens are scored in the sink columns, not twice
+            sink_k, sink_v, sink_pos = self._sinks_with(k_new, v_new, positions)
+            S = self.sinks
+            keys = torch.cat([sink_k, self.k[:, :, S:], k_new], dim=2)  # (B, Hkv, S+W+T, D)
+            values = torch.cat([sink_v, self.v[:, :, S:], v_new], dim=2)
+            key_pos = torch.cat([sink_pos, self.positions[:, S:],
+                                 positions.masked_fill(positions < S, -1)], dim=1)
+        else:
+            keys = torch.cat([self.k, k_new], dim=2)  # (B, n_kv_heads, W+T, D)
+            values = torch.cat([self.v, v_new], dim=2)
+            key_pos = torch.cat([self.positions, positions], dim=1)
+        mask = self._mask(positions, key_pos)
+        out = self._attention(q, positions, keys, values, mask, scale)
         self.write(k, v, positions, check=False)
         return out
 
@@ -292,6 +394,8 @@ class RingKVCache:
     def __repr__(self) -> str:
         return (f"RingKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                 f"window={self.window}, capacity={self.capacity}, head_dim={self.head_dim}, "
+                f"sinks={self.sinks}, "
+                f"sink_rope={getattr(self.sink_rope, '__name__', self.sink_rope)}, "
                 f"dtype={self.dtype}, device={self.device})")
 
 
@@ -317,3 +421,84 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale)
     out = out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # broadcasts over heads
     return out.view(B, Hq, T, D)  # (B, Hq, T, head_dim)
+
+
+def check_sink_rope(rope: object, sinks: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> Rope | None:
+    """Return ``rope`` if it is None or a rotation usable for ``sinks`` sink keys; raise otherwise.
+
+    A callable is probed once on a tiny tensor: it must return ``x``'s shape and dtype, leave
+    position 0 unrotated, and turn position 1 keeping its norm (a rotation), so a wrong function
+    fails here rather than as silently wrong attention later.
+    """
+    if rope is None:
+        return None
+    if not callable(rope):
+        raise TypeError(f"sink_rope must be None or a callable f(x, positions), "
+                        f"got {type(rope).__name__}")
+    if sinks == 0:
+        raise ValueError("sink_rope rotates sink keys: it needs sinks >= 1, got sinks=0")
+    x = torch.linspace(-1.0, 1.0, 2 * head_dim, dtype=dtype, device=device).view(1, 1, 2, head_dim)
+    with torch.no_grad():
+        try:
+            out = rope(x, torch.tensor([[0, 1]], device=device))
+        except Exception as err:  # noqa: BLE001 -- any failure means an unusable rotation
+            raise TypeError(f"sink_rope(x, positions) failed on a (1, 1, 2, {head_dim}) "
+                            f"probe: {err!r}") from err
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != dtype:
+            raise TypeError(f"sink_rope must return a {dtype} tensor of x's shape "
+                            f"{tuple(x.shape)}, got {getattr(out, 'dtype', type(out).__name__)} "
+                            f"{tuple(getattr(out, 'shape', ()))}")
+        tol = {"rtol": 1e-2, "atol": 1e-2}
+        if not torch.allclose(out[:, :, 0], x[:, :, 0], **tol) or not torch.allclose(
+                out[:, :, 1].norm(), x[:, :, 1].norm(), **tol) or torch.allclose(
+                out[:, :, 1], x[:, :, 1], **tol):
+            raise ValueError("sink_rope is not a rotation by position: f(x, 0) must return x, "
+                             "f(x, 1) turn x and keep its norm")
+    return rope
+
+
+def sink_shift(q_positions: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+    """How far StreamingLLM's convention moves a sink for each query: ``p - min(p, S + W - 1)``.
+
+    StreamingLLM places the query at cache position ``c = min(p, S + W - 1)``; rotating a sink key
+    by ``p - c`` makes an absolutely rotated query score it as from ``c``. Padding (-1) gets 0.
+    """
+    return (q_positions - (sinks + window - 1)).clamp(min=0)
+
+
+def rotate_sinks(sink_k: torch.Tensor, q_positions: torch.Tensor, window: int,
+                 rope: Rope) -> torch.Tensor:
+    """Sink keys ``(B, Hkv, S, D)`` turned by each query's sink_shift: ``(B, Hkv, T, S, D)``.
+
+    ``S`` keys per query, whatever the window: the O(S) cost of StreamingLLM's convention.
+    """
+    B, H, S, D = sink_k.shape
+    T = q_positions.shape[1]
+    shift = sink_shift(q_positions, S, window)  # (B, T)
+    x = sink_k[:, :, None].expand(B, H, T, S, D).reshape(B, H, T * S, D)
+    return rope(x, shift[:, :, None].expand(B, T, S).reshape(B, T * S)).view(B, H, T, S, D)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                   sink_keys: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """:func:`masked_attention` whose first ``S`` keys are replaced, per query, by ``sink_keys``.
+
+    ``sink_keys`` ``(B, Hkv, T, S, D)`` (from :func:`rotate_sinks`) score the sink columns; the
+    other keys score as usual, and one softmax spans both. Written as matmul + softmax because
+    SDPA takes one key per column for all queries. Scores and softmax run in float32 at least.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, Tk, S = k.shape[1], k.shape[2], sink_keys.shape[3]
+    G = Hq // Hkv
+    q = q * (D ** -0.5 if scale is None else scale)  # scaled once, on T rows, not Tk columns
+    # every column first (a view of the storage, no copy), then the sink columns overwritten
+    scores = torch.matmul(q.reshape(B, Hkv, G * T, D), k.transpose(-1, -2))
+    scores = scores.view(B, Hkv, G, T, Tk)  # HF repeat_kv order: head h reads KV head h // G
+    scores[..., :S] = torch.einsum("bhgtd,bhtsd->bhgts", q.reshape(B, Hkv, G, T, D), sink_keys)
+    seen = mask[:, None, None]  # (B, 1, 1, T, Tk)
+    scores = scores.to(torch.promote_types(q.dtype, torch.float32))
+    weights = scores.masked_fill_(~seen, float("-inf")).softmax(dim=-1)
+    weights = weights.masked_fill_(~seen.any(dim=-1, keepdim=True), 0.0)  # nothing visible: 0
+    out = torch.matmul(weights.to(v.dtype).view(B, Hkv, G * T, Tk), v)  # (B, Hkv, G*T, D)
+    return out.view(B, Hq, T, D)

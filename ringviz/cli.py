@@ -1,4 +1,4 @@
-"""The command line: `python -m ringviz {demo,equivalence,perplexity,bench} ...`.
+"""The command line: `python -m ringviz {demo,equivalence,perplexity,streaming,bench} ...`.
 
 Each subcommand parses its flags here and calls one function of the package that returns a
 plain dict; `--json` prints that dict as the last line of output (progress goes to stderr).
@@ -29,6 +29,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
     return value
 
 
@@ -71,10 +78,19 @@ def _cmd_perplexity(args: argparse.Namespace) -> dict:
                           tokens=args.tokens)
 
 
+def _cmd_streaming(args: argparse.Namespace) -> dict:
+    from ringviz.models.streaming import run_streaming
+
+    return run_streaming(model=args.model, windows=tuple(args.windows),
+                         sinks=tuple(args.sinks), tokens=args.tokens,
+                         past_window=args.past_window, past_extra=args.past_extra)
+
+
 def _cmd_bench(args: argparse.Namespace) -> dict:
     from ringviz.bench import run_bench
 
-    return run_bench(quick=args.quick, device=args.device, plot_dir=args.plot_dir)
+    return run_bench(quick=args.quick, device=args.device, plot_dir=args.plot_dir,
+                     only_sinks=args.sinks_only)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,13 +128,25 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--tokens", type=_positive_int, default=1000, help="tokens of evaluation text")
     ppl.set_defaults(func=_cmd_perplexity)
 
+    stream = sub.add_parser("streaming", help="sinks in both RoPE conventions, past the context")
+    stream.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
+    stream.add_argument("--windows", type=_int_list, default=[64, 256, 1024])
+    stream.add_argument("--sinks", type=_int_list, default=[0, 1, 4])
+    stream.add_argument("--tokens", type=_positive_int, default=4096, help="tokens per setting")
+    stream.add_argument("--past-window", type=_positive_int, default=256)
+    stream.add_argument("--past-extra", type=_non_negative_int, default=2048,
+                        help="tokens decoded past max_position_embeddings (0: skip that run)")
+    stream.set_defaults(func=_cmd_streaming)
+
     bench = sub.add_parser("bench", help="time the ring against copying windows and HF layers")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (< 2 min on 2 CPUs)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--plot-dir", default=None, help="also write the plots (PNG) here")
+    bench.add_argument("--sinks-only", action="store_true",
+                       help="only the attention-sink benches (sinks_update, sinks_decode)")
     bench.set_defaults(func=_cmd_bench)
 
-    for p in (demo, eq, ppl, bench):
+    for p in (demo, eq, ppl, stream, bench):
         p.add_argument("--json", action="store_true",
                        help="print one JSON object as the last line of output")
     return parser

@@ -2,7 +2,8 @@
 
 A query at absolute position ``p`` sees the keys at positions ``p-W+1 .. p``: itself and the
 ``W-1`` before it (the Mistral / Hugging Face convention). Position ``-1`` marks an empty slot or a
-padding token and is never visible, nor does a ``-1`` query see anything.
+padding token and is never visible, nor does a ``-1`` query see anything. With ``sinks=S``
+(attention sinks) positions ``0 .. S-1`` also stay visible to every later query.
 
 Both functions work on NumPy arrays and torch tensors alike and broadcast over leading dims.
 
@@ -12,6 +13,8 @@ array([ True,  True, False,  True])
 >>> band_mask(np.array([2, 3]), np.array([0, 1, 2, 3]), window=2).astype(int)
 array([[0, 1, 1, 0],
        [0, 0, 1, 1]])
+>>> band_mask(np.array([3]), np.array([0, 1, 2, 3]), window=2, sinks=1).astype(int)
+array([[1, 0, 1, 1]])
 """
 
 from __future__ import annotations
@@ -26,10 +29,17 @@ from ringviz.checks import check_int
 Array = TypeVar("Array", np.ndarray, torch.Tensor)
 
 
-def visible(q_pos: Array, k_pos: Array, window: int) -> Array:
-    """Elementwise rule: key at ``k_pos`` is visible to a query at ``q_pos``."""
+def visible(q_pos: Array, k_pos: Array, window: int, sinks: int = 0) -> Array:
+    """Elementwise rule: key at ``k_pos`` is visible to a query at ``q_pos``.
+
+    With ``sinks=S`` the first ``S`` positions stay visible to every later query (attention
+    sinks, StreamingLLM): ``k_pos < S`` or inside the window.
+    """
     check_int("window", window)
-    return (k_pos >= 0) & (q_pos >= 0) & (k_pos <= q_pos) & (k_pos > q_pos - window)
+    near = k_pos > q_pos - window
+    if sinks:
+        near = near | (k_pos < check_int("sinks", sinks, minimum=0))
+    return (k_pos >= 0) & (q_pos >= 0) & (k_pos <= q_pos) & near
 
 
 def decode_mask(current_pos: int | Array, cache_positions: Array, window: int) -> Array:
@@ -48,6 +58,6 @@ def decode_mask(current_pos: int | Array, cache_positions: Array, window: int) -
     return visible(q, cache_positions, window)
 
 
-def band_mask(q_positions: Array, k_positions: Array, window: int) -> Array:
+def band_mask(q_positions: Array, k_positions: Array, window: int, sinks: int = 0) -> Array:
     """Visibility of every key to every query: bool ``(..., Tq, Tk)``, True = attend."""
-    return visible(q_positions[..., :, None], k_positions[..., None, :], window)
+    return visible(q_positions[..., :, None], k_positions[..., None, :], window, sinks)

@@ -19,12 +19,16 @@ from ringviz.bench.cases import (
 from ringviz.bench.harness import Case, measure_interleaved, summarize
 from ringviz.bench.memory import checkpoints, run_memory
 from ringviz.bench.report import figures
+from ringviz.bench.sinks import SINK_IMPLS, StreamingLLMCache, build_sink_cases
+from ringviz.rope import apply_rope
 
 pytest.importorskip("transformers")
 
 TINY = BenchConfig(update_windows=(8, 32), decode_windows=(8, 16), batch=2, kv_heads=2,
                    q_heads=4, head_dim=8, reps=2, warmup=1, min_sample_s=1e-4,
-                   memory_window=16, memory_steps=200, memory_growing_steps=50, model=False)
+                   memory_window=16, memory_steps=200, memory_growing_steps=50, model=False,
+                   sink_windows=(8, 32), sinks=2, sink_kv_heads=2, sink_q_heads=4,
+                   sink_head_dim=8)
 ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads": int,
               "head_dim": int, "dtype": str, "device": str, "median_us": float,
               "p10_us": float, "p90_us": float, "reps": int}
@@ -40,6 +44,8 @@ def test_every_row_is_present_and_typed(tiny_run):
     keys = {(r["bench"], r["impl"], r["window"]) for r in tiny_run["rows"]}
     assert {("update", i, w) for i in UPDATE_IMPLS for w in TINY.update_windows} <= keys
     assert {("decode_step", i, w) for i in DECODE_IMPLS for w in TINY.decode_windows} <= keys
+    for bench in ("sinks_update", "sinks_decode"):
+        assert {(bench, i, w) for i in SINK_IMPLS for w in TINY.sink_windows} <= keys
     assert {r["impl"] for r in tiny_run["rows"] if r["bench"] == "memory"} == {"ring", "growing"}
     for row in tiny_run["rows"]:
         for name, kind in ROW_FIELDS.items():
@@ -73,8 +79,15 @@ def test_figures_and_plots_come_from_the_rows(tiny_run):
     assert math.isclose(f["update_ring_W32_over_W8"],
                         _median(tiny_run, "update", "ring", 32)
                         / _median(tiny_run, "update", "ring", 8))
+    assert math.isclose(f["sinks_update_streaming_llm_over_ring_sinks_W32"],
+                        _median(tiny_run, "sinks_update", "streaming_llm", 32)
+                        / _median(tiny_run, "sinks_update", "ring_sinks", 32))
+    assert math.isclose(f["sinks_decode_ring_sinks_W32_over_W8"],
+                        _median(tiny_run, "sinks_decode", "ring_sinks", 32)
+                        / _median(tiny_run, "sinks_decode", "ring_sinks", 8))
     assert sorted(p.rsplit("/", 1)[-1] for p in tiny_run["plots"]) == [
-        "bench_decode_step_cpu.png", "bench_memory_cpu.png", "bench_update_cpu.png"]
+        "bench_decode_step_cpu.png", "bench_memory_cpu.png", "bench_sinks_decode_cpu.png",
+        "bench_sinks_update_cpu.png", "bench_update_cpu.png"]
 
 
 def _median(result: dict, bench: str, impl: str, window: int) -> float:
@@ -109,6 +122,33 @@ def test_ring_and_copying_window_decode_to_the_same_output(device):
         torch.testing.assert_close(ring(), naive())
 
 
+def test_sink_caches_decode_what_they_claim(device):
+    """Absolute sinks: the ring and the concat attend alike. StreamingLLM's scheme: the sinks
+    scored from cache position S + W - 1 (the ring turned the sinks back to match)."""
+    from ringviz.cache import RingKVCache, rotate_sinks
+
+    shape = Shape(batch=1, kv_heads=2, q_heads=4, head_dim=8, dtype=torch.float64,
+                  device=device)
+    cases = {c.impl: c.step for c in build_sink_cases(shape, 6, 2)["sinks_decode"]}
+    for _ in range(9):  # past one full wrap of the ring
+        torch.testing.assert_close(cases["ring_sinks_absolute"](), cases["sink_concat"]())
+    # streaming_llm's keys are unrotated; rotated at absolute positions they feed a ring
+    pre, tok = make_inputs(shape, 8)
+    ref = StreamingLLMCache(pre.k, pre.v, 2, 6)
+    ring = RingKVCache(1, 2, 6, 8, sinks=2, sink_rope=apply_rope, dtype=torch.float64,
+                       device=device)
+    pos = torch.arange(8, device=device)[None]
+    ring.write(apply_rope(pre.k, pos), pre.v, pos)
+    for p in range(8, 20):
+        p_t = torch.tensor([[p]], device=device)
+        keys, values = ref.update(tok.k, tok.v)
+        want = torch.nn.functional.scaled_dot_product_attention(ref.query(tok.q), keys, values,
+                                                                enable_gqa=True)
+        got = ring.step(apply_rope(tok.q, p_t), apply_rope(tok.k, p_t), tok.v, p_t)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert rotate_sinks(ring.k[:, :, :2], p_t, 6, apply_rope).shape == (1, 2, 1, 2, 8)
+
+
 def test_the_contract_configurations():
     for config in (QUICK, FULL):
         assert config.update_windows == (256, 1024, 4096, 16384)
@@ -116,6 +156,7 @@ def test_the_contract_configurations():
         assert (config.batch, config.kv_heads, config.head_dim, config.dtype) == (
             8, 8, 128, "float32")
         assert config.memory_steps == 100_000
+        assert config.sink_windows == (256, 1024, 4096, 16384) and config.sinks == 4
     assert not QUICK.model and FULL.model
 
 

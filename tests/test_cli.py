@@ -10,7 +10,7 @@ from ringviz.cli import build_parser, main
 def test_help_lists_every_subcommand():
     out = subprocess.run([sys.executable, "-m", "ringviz", "--help"], capture_output=True,
                          text=True, check=True).stdout
-    for command in ("demo", "equivalence", "perplexity", "bench"):
+    for command in ("demo", "equivalence", "perplexity", "streaming", "bench"):
         assert command in out
 
 
@@ -31,6 +31,8 @@ def test_demo_text(capsys):
     ["demo", "--window", "0"],
     ["perplexity", "--windows", "16,x"],
     ["equivalence", "--model", "gpt2", "--window", "8"],
+    ["streaming", "--sinks", "0,x"],
+    ["streaming", "--past-extra", "-1"],
 ])
 def test_bad_arguments_exit_with_usage_error(argv):
     with pytest.raises(SystemExit) as err:

@@ -8,9 +8,12 @@ chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``b
 * ``decode_step``: that write plus attention of one query over the window.
 * ``memory``: cache bytes and process RSS at checkpoints of a long decode (ring vs growing).
 * ``model``: Gemma-3-270M decode tokens/s, ring vs Hugging Face's default cache.
+* ``sinks_update`` / ``sinks_decode``: attention sinks, the ring's O(S) sink rotation against
+  StreamingLLM's re-rotation of the whole cache and a ``[sinks | ring]`` concat (``sinks.py``).
 
 Modules: ``harness`` (timing, machine facts), ``cases`` (the implementations), ``memory``
-(subprocess RSS runs), ``model`` (the real model), ``report`` (ratios and plots).
+(subprocess RSS runs), ``model`` (the real model), ``sinks`` (the sink caches), ``report``
+(ratios and plots).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ringviz.bench.cases import DECODE_IMPLS, UPDATE_IMPLS, Shape, build_cases
 from ringviz.bench.harness import machine_info, measure_interleaved
 from ringviz.bench.memory import MEMORY_IMPLS, run_memory
 from ringviz.bench.report import figures, save_plots
+from ringviz.bench.sinks import build_sink_cases
 
 
 @dataclass(frozen=True)
@@ -49,14 +53,26 @@ class BenchConfig:
     memory_batch: int = 1
     memory_kv_heads: int = 1
     memory_head_dim: int = 64
+    memory: bool = True  # bench="memory": ring vs growing cache over a long decode
     model: bool = True  # bench="model": Gemma-3-270M, ring vs HF default cache
     model_prompt_tokens: int = 600  # longer than Gemma 3's window of 512
     model_new_tokens: int = 64
+    sink_windows: tuple[int, ...] = (256, 1024, 4096, 16384)  # W for the sinks benches
+    sinks: int = 4  # S
+    sink_batch: int = 1  # one sequence, Llama-3-8B-like heads (GQA 4)
+    sink_kv_heads: int = 8
+    sink_q_heads: int = 32
+    sink_head_dim: int = 128
 
 
 FULL = BenchConfig()
 QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
                 model=False)
+
+
+def sinks_only(config: BenchConfig) -> BenchConfig:
+    """``config`` with only the sinks benches (``--sinks-only``): no update, memory or model."""
+    return replace(config, update_windows=(), decode_windows=(), memory=False, model=False)
 
 
 def _log(message: str) -> None:
@@ -83,6 +99,24 @@ def _timing_rows(kind: str, impls: tuple[str, ...], windows: tuple[int, ...], sh
                             if r["window"] == window)
         _log(f"{kind} W={window}: {summary} us")
     _log(f"{kind}: {time.perf_counter() - t0:.1f} s")
+    return rows
+
+
+def _sink_rows(config: BenchConfig, device: torch.device) -> list[dict]:
+    """``sinks_update`` and ``sinks_decode`` rows: each bench's impls and windows interleaved."""
+    shape = Shape(config.sink_batch, config.sink_kv_heads, config.sink_q_heads,
+                  config.sink_head_dim, getattr(torch, config.dtype), device)
+    built = [build_sink_cases(shape, w, config.sinks) for w in config.sink_windows]
+    rows = []
+    for kind in ("sinks_update", "sinks_decode"):
+        t0 = time.perf_counter()
+        timings = measure_interleaved([c for b in built for c in b[kind]], reps=config.reps,
+                                      warmup=config.warmup, min_sample_s=config.min_sample_s,
+                                      device=device)
+        rows += [{"bench": kind, "impl": impl, "window": window, "sinks": config.sinks,
+                  **shape.fields(), "threads": torch.get_num_threads(), **timing.as_row()}
+                 for (impl, window), timing in timings.items()]
+        _log(f"{kind}: {time.perf_counter() - t0:.1f} s")
     return rows
 
 
@@ -118,10 +152,17 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
         shape = Shape(config.batch, config.kv_heads, config.q_heads, config.head_dim,
                       getattr(torch, config.dtype), device)
         with torch.inference_mode():
-            rows = _timing_rows("update", UPDATE_IMPLS, config.update_windows, shape, config)
-            rows += _timing_rows("decode_step", DECODE_IMPLS, config.decode_windows, shape,
-                                 config)
-        rows += _memory_rows(config, device)
+            rows = []
+            if config.update_windows:
+                rows += _timing_rows("update", UPDATE_IMPLS, config.update_windows, shape,
+                                     config)
+            if config.decode_windows:
+                rows += _timing_rows("decode_step", DECODE_IMPLS, config.decode_windows, shape,
+                                     config)
+            if config.sink_windows:
+                rows += _sink_rows(config, device)
+        if config.memory:
+            rows += _memory_rows(config, device)
         if config.model:
             from ringviz.bench.model import model_rows
 
@@ -138,9 +179,11 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
     return result
 
 
-def run_bench(quick: bool, device: str, plot_dir: str | Path | None) -> dict:
+def run_bench(quick: bool, device: str, plot_dir: str | Path | None,
+              only_sinks: bool = False) -> dict:
     """The CLI's entry: the quick configuration (every row but ``model``) or the full one."""
-    return run(QUICK if quick else FULL, device=device, plot_dir=plot_dir)
+    config = QUICK if quick else FULL
+    return run(sinks_only(config) if only_sinks else config, device=device, plot_dir=plot_dir)
 
 
-__all__ = ["FULL", "QUICK", "BenchConfig", "run", "run_bench"]
+__all__ = ["FULL", "QUICK", "BenchConfig", "run", "run_bench", "sinks_only"]

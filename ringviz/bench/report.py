@@ -80,10 +80,30 @@ def _model_figures(rows: Sequence[dict]) -> dict:
     return {}
 
 
+def _sink_figures(rows: Sequence[dict]) -> dict:
+    """Each sink impl over ``ring_sinks`` per W, and ``ring_sinks``' largest W over its smallest."""
+    out = {}
+    for bench in ("sinks_update", "sinks_decode"):
+        windows = _windows(rows, bench)
+        for w in windows:
+            ring = _median(rows, bench, "ring_sinks", w)
+            for impl in ("ring_sinks_absolute", "streaming_llm", "sink_concat"):
+                other = _median(rows, bench, impl, w)
+                if ring and other:
+                    out[f"{bench}_{impl}_over_ring_sinks_W{w}"] = other / ring
+        if len(windows) > 1:
+            for impl in ("ring_sinks", "streaming_llm", "sink_concat"):
+                lo = _median(rows, bench, impl, windows[0])
+                hi = _median(rows, bench, impl, windows[-1])
+                if lo and hi:
+                    out[f"{bench}_{impl}_W{windows[-1]}_over_W{windows[0]}"] = hi / lo
+    return out
+
+
 def figures(rows: Sequence[dict]) -> dict:
     """The headline ratios of one run, named after what they divide."""
     return {**_update_figures(rows), **_decode_figures(rows), **_memory_figures(rows),
-            **_model_figures(rows)}
+            **_model_figures(rows), **_sink_figures(rows)}
 
 
 def _as_ms(rows: Sequence[dict], bench: str) -> list[dict]:
@@ -110,6 +130,18 @@ def plot_decode(rows: Sequence[dict], ax=None):
     """Latency of write + one query's attention vs W, one line per impl."""
     return _plot_bench_latency(rows, "decode_step", "ms per decode step (median)",
                                "A whole decode step: store one token, attend over W keys", ax)
+
+
+def plot_sinks_update(rows: Sequence[dict], ax=None):
+    """Latency of everything but attention, with S sinks, vs W: one line per impl."""
+    return _plot_bench_latency(rows, "sinks_update", "ms per step besides attention (median)",
+                               "bench=sinks_update: write + make S + W keys ready", ax)
+
+
+def plot_sinks_decode(rows: Sequence[dict], ax=None):
+    """Latency of a whole decode step with S sinks vs W: one line per impl."""
+    return _plot_bench_latency(rows, "sinks_decode", "ms per decode step (median)",
+                               "bench=sinks_decode: write + attention over S + W keys", ax)
 
 
 def plot_memory(rows: Sequence[dict], ax=None):
@@ -145,7 +177,8 @@ def save_plots(rows: Sequence[dict], plot_dir: Path, device: str) -> list[Path]:
     plot_dir.mkdir(parents=True, exist_ok=True)
     paths = []
     for bench, draw in (("update", plot_update), ("decode_step", plot_decode),
-                        ("memory", plot_memory)):
+                        ("memory", plot_memory), ("sinks_update", plot_sinks_update),
+                        ("sinks_decode", plot_sinks_decode)):
         if not any(r["bench"] == bench for r in rows):
             continue
         ax = draw(rows)

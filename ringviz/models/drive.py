@@ -38,6 +38,7 @@ import torch
 
 from ringviz.cache import RingKVCache
 from ringviz.checks import check_int
+from ringviz.models.sinks import model_sink_rope
 
 ATTN_NAME = "ringviz_ring"
 
@@ -107,12 +108,29 @@ def layer_windows(model, window: int | None) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types]
 
 
-class RingRunner:
-    """One model's KV state in ``RingKVCache`` objects, one per layer, for a batch of rows."""
+SINK_ROPES = (None, "cache")  # RingRunner's sink conventions: absolute, StreamingLLM's
 
-    def __init__(self, model, batch_size: int, window: int | None, capacity: int) -> None:
+
+class RingRunner:
+    """One model's KV state in ``RingKVCache`` objects, one per layer, for a batch of rows.
+
+    ``sinks=S`` keeps each row's first ``S`` positions in every sliding layer beside its ring
+    (full-attention layers keep everything anyway). ``sink_rope=None`` scores them at their
+    absolute positions; ``sink_rope="cache"`` uses StreamingLLM's positions inside the cache,
+    the sink keys turned by the model's own rotary embedding for that layer's type
+    (:func:`ringviz.models.sinks.model_sink_rope`: Gemma 3's local base, not the global one).
+    """
+
+    def __init__(self, model, batch_size: int, window: int | None, capacity: int, *,
+                 sinks: int = 0, sink_rope: str | None = None) -> None:
         """``capacity``: positions the run may reach, 0 .. capacity-1 (sizes the full layers)."""
         self.capacity = check_int("capacity", capacity)
+        self.sinks = check_int("sinks", sinks, minimum=0)
+        if sink_rope not in SINK_ROPES:
+            raise ValueError(f"sink_rope must be one of {SINK_ROPES}, got {sink_rope!r}")
+        if sink_rope is not None and sinks == 0:
+            raise ValueError(f"sink_rope={sink_rope!r} turns sink keys: it needs sinks >= 1")
+        self.sink_rope = sink_rope
         _register()
         with attention_implementation(model, ATTN_NAME):  # validates the name once
             pass
@@ -121,8 +139,10 @@ class RingRunner:
         self.model = model
         self.windows = layer_windows(model, window)
         param = next(model.parameters())
+        rope = model_sink_rope(model, "sliding_attention") if sink_rope == "cache" else None
         self.caches = [
             RingKVCache(batch_size, config.num_key_value_heads, w or capacity, config.head_dim,
+                        sinks=self.sinks if w else 0, sink_rope=rope if w else None,
                         dtype=param.dtype, device=param.device)
             for w in self.windows
         ]
