@@ -48,15 +48,18 @@ class BatchCounterRunner(RingRunner):
         super().__init__(model, batch_size, window, capacity)
         self.counter: int | None = None  # next batch-wide position, set by the prefill
 
-    def forward(self, input_ids, positions):
-        if input_ids.shape[1] > 1:  # prefill: per-row positions, as left_pad makes them
-            self.counter = input_ids.shape[1]
-            return super().forward(input_ids, positions)
-        if self.counter is None:
-            raise ValueError("BatchCounterRunner decodes only after a prefill call")
+    def prefill(self, input_ids, positions, **kwargs):
+        self.counter = None  # the prefill's chunks keep their per-row positions (left_pad's)
+        out = super().prefill(input_ids, positions, **kwargs)
+        self.counter = input_ids.shape[1]  # the padded width: right for unpadded rows only
+        return out
+
+    def forward(self, input_ids, positions, **kwargs):
+        if self.counter is None:  # inside (or before) a prefill
+            return super().forward(input_ids, positions, **kwargs)
         shared = torch.full_like(positions, self.counter)  # (B, 1): every row alike
         self.counter += 1
-        return super().forward(input_ids, shared)
+        return super().forward(input_ids, shared, **kwargs)
 
 
 def rope_bases(model) -> dict[str, float]:
