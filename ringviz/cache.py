@@ -329,24 +329,44 @@ class RingKVCache:
             if self.sink_rope is None:
                 return masked_attention(q, self.k, self.v, mask, scale=scale)
             return self._attention(q, positions, self.k, self.v, mask, scale)
-        # padding keys are masked out, but 0 * NaN is NaN: zero them so garbage cannot leak
-        pad = (positions < 0)[:, None, :, None]  # (B, 1, T, 1)
-        k_new, v_new = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-        if self.sinks:  # the chunk's sink tokens are scored in the sink columns, not twice
-            sink_k, sink_v, sink_pos = self._sinks_with(k_new, v_new, positions)
-            S = self.sinks
-            keys = torch.cat([sink_k, self.k[:, :, S:], k_new], dim=2)  # (B, Hkv, S+W+T, D)
-            values = torch.cat([sink_v, self.v[:, :, S:], v_new], dim=2)
-            key_pos = torch.cat([sink_pos, self.positions[:, S:],
-                                 positions.masked_fill(positions < S, -1)], dim=1)
-        else:
-            keys = torch.cat([self.k, k_new], dim=2)  # (B, n_kv_heads, W+T, D)
-            values = torch.cat([self.v, v_new], dim=2)
-            key_pos = torch.cat([self.positions, positions], dim=1)
-        mask = self._mask(positions, key_pos)
-        out = self._attention(q, positions, keys, values, mask, scale)
+        out = self.attend_chunk(q, k, v, positions, scale=scale)
         self.write(k, v, positions, check=False)
         return out
+
+    def attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     positions: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+        """Attention of a chunk's queries over ``[ring | chunk]``, writing nothing.
+
+        The first half of :meth:`step` for ``T > 1`` (``step`` then writes the chunk), and on
+        its own the verify pass of speculative decoding, which commits only accepted tokens.
+        Inputs as for :meth:`step`, trusted (call :meth:`check_step` first).
+        """
+        positions = positions.to(torch.int64)
+        keys, values, key_pos = self.keys_with_chunk(k, v, positions)
+        mask = self._mask(positions, key_pos)  # (B, T, S + C + T)
+        return self._attention(q, positions, keys, values, mask, check_scale(scale))
+
+    def keys_with_chunk(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The keys, values and positions a chunk attends over before it is written.
+
+        ``[ring | chunk]``: the storage as it is, then the chunk's own tokens, padding zeroed
+        (it is masked out, but ``0 * NaN`` is NaN). With sinks, the chunk's sink tokens take
+        the sink columns and are masked in the chunk part, so none is scored twice. Shapes
+        ``(B, Hkv, S + C + T, D)`` twice and ``(B, S + C + T)``.
+        """
+        positions = positions.to(torch.int64)
+        pad = (positions < 0)[:, None, :, None]  # (B, 1, T, 1)
+        k_new, v_new = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+        if not self.sinks:
+            return (torch.cat([self.k, k_new], dim=2), torch.cat([self.v, v_new], dim=2),
+                    torch.cat([self.positions, positions], dim=1))
+        sink_k, sink_v, sink_pos = self._sinks_with(k_new, v_new, positions)
+        S = self.sinks
+        return (torch.cat([sink_k, self.k[:, :, S:], k_new], dim=2),
+                torch.cat([sink_v, self.v[:, :, S:], v_new], dim=2),
+                torch.cat([sink_pos, self.positions[:, S:],
+                           positions.masked_fill(positions < S, -1)], dim=1))
 
     # ------------------------------------------------------------------ taking tokens back
     def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:

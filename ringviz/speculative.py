@@ -37,9 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ringviz.cache import RingKVCache, masked_attention
+from ringviz.cache import RingKVCache
 from ringviz.checks import check_int, check_kv, check_tensor
-from ringviz.masks import band_mask
 from ringviz.reference import windowed_attention_reference
 
 
@@ -186,26 +185,10 @@ class CommitAcceptedRing(DraftRing):
     """Fix 2: verify over ``[ring | chunk]`` without writing; commit only accepted tokens."""
 
     def _verify(self, q, k, v, positions, scale):
-        return attend_ring_and_chunk(self.cache, q, k, v, positions, scale=scale)
+        return self.cache.attend_chunk(q, k, v, positions, scale=scale)
 
     def _commit(self, k, v, positions, keep, lengths):
         self.cache.write(k, v, torch.where(keep, positions, -1))  # rejected = padding
-
-
-def attend_ring_and_chunk(cache: RingKVCache, q: torch.Tensor, k: torch.Tensor,
-                          v: torch.Tensor, positions: torch.Tensor, *,
-                          scale: float | None = None) -> torch.Tensor:
-    """Attention of a chunk over ``[ring | chunk]``, writing nothing: ``(B, Hq, T, D)``.
-
-    The first half of :meth:`RingKVCache.step` for ``T > 1``: ``capacity + T`` key columns,
-    masked by stored and chunk positions.
-    """
-    pad = (positions < 0)[:, None, :, None]  # padding keys are masked, but 0 * NaN is NaN
-    keys = torch.cat([cache.k, k.masked_fill(pad, 0.0)], dim=2)  # (B, Hkv, C + T, D)
-    values = torch.cat([cache.v, v.masked_fill(pad, 0.0)], dim=2)
-    key_pos = torch.cat([cache.positions, positions.to(torch.int64)], dim=1)  # (B, C + T)
-    mask = band_mask(positions.to(torch.int64), key_pos, cache.window)  # (B, T, C + T)
-    return masked_attention(q, keys, values, mask, scale=scale)
 
 
 def missing_positions(ring: DraftRing) -> list[list[int]]:
