@@ -89,6 +89,7 @@ from ringviz.checks import check_int, check_kv, check_scale, check_tensor
 from ringviz.masks import band_mask
 
 Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_NEVER = torch.iinfo(torch.int64).max  # a position no key reaches
 
 
 class RingKVCache:
@@ -162,6 +163,19 @@ class RingKVCache:
     def _visible_now(self) -> torch.Tensor:
         return self._mask(self._last_pos[:, None], self.positions)[:, 0]
 
+    def _decode_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """``(B, 1, S + C)`` visibility for a decode query ``positions`` (B, 1) just written.
+
+        Its write made it its row's newest position, so no stored key lies in its future and
+        one comparison with the window's lower edge decides (empty slots hold -1, never above
+        it; a padding query's edge is past every position). Same result as :meth:`_mask`,
+        in two elementwise ops over the slots instead of seven.
+        """
+        if self.sinks:
+            return self._mask(positions, self.positions)
+        edge = torch.where(positions >= 0, (positions - self.window).clamp_min(-1), _NEVER)
+        return (self.positions > edge)[:, None]  # (B, 1, C): key > q - W and key >= 0
+
     def _mask(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """``(B, Tq, Tk)`` visibility: the window, plus the sinks when there are any."""
         return band_mask(q_positions, k_positions, self.window, self.sinks)
@@ -186,12 +200,12 @@ class RingKVCache:
         if positions.shape != (self.batch_size, T):
             raise ValueError(
                 f"positions must be (B, T) = {(self.batch_size, T)}, got {tuple(positions.shape)}")
-        valid = positions >= 0
-        before = self._last_pos[:, None]  # (B, 1) newest position stored so far
+        before = self._last_pos[:, None]  # (B, 1) newest position stored so far, >= -1
         if T > 1:  # ... or earlier in this chunk
-            running = torch.cummax(torch.where(valid, positions, -1), dim=1).values
-            before = torch.maximum(torch.cat([before, running[:, :-1]], dim=1), before)
-        bad = (positions < -1) | (valid & (positions <= before))  # (B, T)
+            running = torch.cummax(positions.clamp_min(-1), dim=1).values
+            before = torch.cat([before, torch.maximum(running[:, :-1], before)], dim=1)
+        # all but padding must come after `before` (>= -1): this also refuses -2, -3, ...
+        bad = (positions <= before) & (positions != -1)  # (B, T)
         if not bool(bad.any()):  # the only host sync of a valid call
             return
         if bool((positions < -1).any()):
@@ -325,7 +339,7 @@ class RingKVCache:
         positions = positions.to(torch.int64)
         if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
             self.write(k, v, positions, check=False)
-            mask = self._mask(positions, self.positions)  # (B, 1, S + W)
+            mask = self._decode_mask(positions)  # (B, 1, S + C)
             if self.sink_rope is None:
                 return masked_attention(q, self.k, self.v, mask, scale=scale)
             return self._attention(q, positions, self.k, self.v, mask, scale)
@@ -439,7 +453,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     else:
         mask = mask[:, None, None].expand(B, 1, G, T, Tk).reshape(B, 1, G * T, Tk)
     out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale)
-    out = out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)  # broadcasts over heads
+    empty = ~mask.any(dim=-1, keepdim=True)  # (B, 1, G*T or 1, 1): broadcasts over heads
+    # in place on SDPA's fresh output (saves a copy per call), unless autograd needs it
+    out = out.masked_fill(empty, 0.0) if out.requires_grad else out.masked_fill_(empty, 0.0)
     return out.view(B, Hq, T, D)  # (B, Hq, T, head_dim)
 
 

@@ -307,3 +307,18 @@ def test_device_mismatch_rejected():
 def test_bad_construction(args, kwargs, error):
     with pytest.raises(error):
         RingKVCache(*args, **kwargs)
+
+
+@pytest.mark.parametrize("capacity", [None, 9])
+def test_decode_mask_shortcut_equals_the_band_mask(device, capacity):
+    """The decode step's one-comparison mask is the full rule, padding rows and spare slots too."""
+    cache = RingKVCache(3, 1, 6, 2, capacity=capacity, device=device)
+    g = torch.Generator().manual_seed(7)
+    nxt = [0, 0, 0]
+    for _ in range(25):
+        pos = torch.tensor([[p if torch.rand(1, generator=g) < 0.8 else -1] for p in nxt],
+                           device=device)
+        x = torch.zeros(3, 1, 1, 2, device=device)
+        cache.step(x, x, x, pos)
+        nxt = [p + 1 if int(q) >= 0 else p for p, q in zip(nxt, pos[:, 0])]
+        assert torch.equal(cache._decode_mask(pos), cache._mask(pos, cache.positions))
