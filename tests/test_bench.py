@@ -24,7 +24,8 @@ pytest.importorskip("transformers")
 
 TINY = BenchConfig(update_windows=(8, 32), decode_windows=(8, 16), batch=2, kv_heads=2,
                    q_heads=4, head_dim=8, reps=2, warmup=1, min_sample_s=1e-4,
-                   memory_window=16, memory_steps=200, memory_growing_steps=50, model=False)
+                   memory_window=16, memory_steps=200, memory_growing_steps=50, model=False,
+                   generate=False)
 ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads": int,
               "head_dim": int, "dtype": str, "device": str, "median_us": float,
               "p10_us": float, "p90_us": float, "reps": int}
@@ -117,6 +118,24 @@ def test_the_contract_configurations():
             8, 8, 128, "float32")
         assert config.memory_steps == 100_000
     assert not QUICK.model and FULL.model
+    assert not QUICK.generate and FULL.generate
+    assert (FULL.generate_prompt_tokens, FULL.generate_cases) == (600, ((1, 96), (8, 2048)))
+
+
+def test_generate_ratios_are_paired_per_repetition():
+    from ringviz.bench.generate import generate_figures
+
+    def row(impl, seconds):
+        return {"bench": "generate", "impl": impl, "batch": 1, "new_tokens": 4,
+                "seconds": seconds, "tokens_match_ring": True}
+
+    got = generate_figures([row("ring", [1.0, 2.0]), row("hf_default", [1.5, 2.0]),
+                            row("hf_static", [2.0, 2.0])])
+    assert got["generate_ring_over_hf_default_B1_N4"] == 1.25  # median of 1.5 and 1.0
+    assert (got["generate_ring_over_hf_default_B1_N4_min"],
+            got["generate_ring_over_hf_default_B1_N4_max"]) == (1.0, 1.5)
+    assert got["generate_ring_over_hf_static_B1_N4_max"] == 2.0
+    assert got["generate_tokens_match_B1_N4"]
 
 
 def test_interleaving_rotates_and_counts_every_call():

@@ -8,9 +8,12 @@ chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``b
 * ``decode_step``: that write plus attention of one query over the window.
 * ``memory``: cache bytes and process RSS at checkpoints of a long decode (ring vs growing).
 * ``model``: Gemma-3-270M decode tokens/s, ring vs Hugging Face's default cache.
+* ``generate``: Gemma-3-270M end-to-end ``generate()`` tokens/s, ``ringviz.hf.generate`` vs
+  Hugging Face's default and static caches.
 
 Modules: ``harness`` (timing, machine facts), ``cases`` (the implementations), ``memory``
-(subprocess RSS runs), ``model`` (the real model), ``report`` (ratios and plots).
+(subprocess RSS runs), ``model`` (the real model), ``generate`` (the real model inside
+``generate()``), ``report`` (ratios and plots).
 """
 
 from __future__ import annotations
@@ -52,11 +55,15 @@ class BenchConfig:
     model: bool = True  # bench="model": Gemma-3-270M, ring vs HF default cache
     model_prompt_tokens: int = 600  # longer than Gemma 3's window of 512
     model_new_tokens: int = 64
+    generate: bool = True  # bench="generate": Gemma-3-270M generate(), ring vs HF's caches
+    generate_prompt_tokens: int = 600
+    generate_cases: tuple[tuple[int, int], ...] = ((1, 96), (8, 2048))  # (batch, new tokens)
+    generate_reps: int = 3
 
 
 FULL = BenchConfig()
 QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
-                model=False)
+                model=False, generate=False)
 
 
 def _log(message: str) -> None:
@@ -127,6 +134,12 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
 
             rows += model_rows(prompt_tokens=config.model_prompt_tokens,
                                new_tokens=config.model_new_tokens, device=device)
+        if config.generate:
+            from ringviz.bench.generate import generate_rows
+
+            rows += generate_rows(prompt_tokens=config.generate_prompt_tokens,
+                                  cases=config.generate_cases, reps=config.generate_reps,
+                                  device=device, log=_log)
         result = {"device": device.type, "machine": machine_info(device),
                   "config": asdict(config), "rows": rows}
     finally:

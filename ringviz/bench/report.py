@@ -82,8 +82,10 @@ def _model_figures(rows: Sequence[dict]) -> dict:
 
 def figures(rows: Sequence[dict]) -> dict:
     """The headline ratios of one run, named after what they divide."""
+    from ringviz.bench.generate import generate_figures
+
     return {**_update_figures(rows), **_decode_figures(rows), **_memory_figures(rows),
-            **_model_figures(rows)}
+            **_model_figures(rows), **generate_figures(rows)}
 
 
 def _as_ms(rows: Sequence[dict], bench: str) -> list[dict]:
