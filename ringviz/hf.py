@@ -27,7 +27,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface, GenerationConfig
@@ -43,7 +42,14 @@ ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transforme
 PREFILL_CHUNK = 512  # default prefill chunk: a prompt is prefilled in chunks of this many tokens
 KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
 SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-_ACTIVE: ContextVar[RingCache | None] = ContextVar("ringviz_hf_active_cache", default=None)
+
+class _Active:
+    """The cache the mask function serves (a plain attribute, which torch.compile can read)."""
+
+    cache: RingCache | None = None
+
+
+_ACTIVE = _Active()
 _NOT_THROUGH_GENERATE = (
     "a RingCache's masks must come from its stored positions, but this forward used Hugging "
     "Face's stock masks (keys assumed in temporal order). Call ringviz.hf.generate(model, "
@@ -55,19 +61,22 @@ class RingLayer(CacheLayerMixin):
     """A sliding layer: a :class:`RingKVCache` of ``window`` slots per row, made on first use."""
 
     is_sliding = True
-    is_compileable = False
+    is_compileable = True  # fixed shapes; the token count is a tensor, as in HF's StaticLayer
 
     def __init__(self, window: int) -> None:
         super().__init__()
         self.window = window
         self.ring: RingKVCache | None = None
-        self.seen = 0  # tokens (columns, padding included) this layer has been given
+        # tokens (columns, padding included) given so far: a 0-d tensor updated in place, so a
+        # compiled decode step does not specialise (and recompile) on its value
+        self.seen = torch.zeros((), dtype=torch.int64)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
         self.ring = RingKVCache(B, H, self.window, D, dtype=key_states.dtype,
                                 device=key_states.device)
         self.keys, self.values = self.ring.k, self.ring.v
+        self.seen = self.seen.to(key_states.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
@@ -92,7 +101,7 @@ class RingLayer(CacheLayerMixin):
             out = (torch.cat([ring.k, key_states.masked_fill(pad, 0.0)], dim=2),
                    torch.cat([ring.v, value_states.masked_fill(pad, 0.0)], dim=2))
             ring.write(key_states, value_states, positions, check=False)
-        self.seen += T
+        self.seen.add_(T)
         return out
 
     def key_positions(self, q_positions: torch.Tensor) -> torch.Tensor:
@@ -107,7 +116,7 @@ class RingLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return (self.window if query_length == 1 else self.window + query_length), 0
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> torch.Tensor:
         return self.seen
 
     def get_max_length(self) -> int:
@@ -120,7 +129,7 @@ class RingLayer(CacheLayerMixin):
     def reset(self) -> None:
         if self.ring is not None:
             self.ring.reset()
-        self.seen = 0
+        self.seen.zero_()
 
 
 class FullLayer(CacheLayerMixin):
@@ -296,10 +305,10 @@ class RingCache(Cache):
     def new_positions(self, attention_mask: torch.Tensor | None, batch: int, T: int,
                       device: torch.device) -> torch.Tensor:
         """``(B, T)`` absolute positions of the new tokens (-1 = padding), from the 2D mask."""
-        seen = self.layers[0].get_seq_length()
+        seen = self.layers[0].get_seq_length()  # a tensor for a ring layer: no host sync
         if attention_mask is None:
             return (seen + torch.arange(T, device=device)).expand(batch, T)
-        if attention_mask.shape != (batch, seen + T):
+        if attention_mask.shape != (batch, int(seen) + T):
             raise ValueError(f"attention_mask must cover every token so far: (B, seen + T) = "
                              f"{(batch, seen + T)}, got {tuple(attention_mask.shape)}")
         mask = attention_mask.to(device=device, dtype=torch.bool)
@@ -343,7 +352,7 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     transformers calls it once per layer type and forward (``local_size`` set for sliding
     layers). It also records the new tokens' positions, which the layers' writes then use.
     """
-    cache = _ACTIVE.get()
+    cache = _ACTIVE.cache
     if cache is None or cache.config is not config:
         raise RuntimeError(_NOT_THROUGH_GENERATE)
     kind = "full" if local_size is None else "sliding"
@@ -411,15 +420,19 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
 
 
 @contextmanager
-def _ring_active(model, cache: RingCache) -> Iterator[None]:
-    """Make ``cache`` the one the mask function serves and switch attention, for a block."""
+def ring_active(model, cache: RingCache) -> Iterator[None]:
+    """Serve ``cache`` to the model's forwards in a block: what :func:`generate` wraps.
+
+    Inside, ``model(input_ids, cache=cache)`` runs the ring path (masks from the cache's stored
+    positions); on exit the attention implementation is restored, also on error.
+    """
     register()
-    token = _ACTIVE.set(cache)
+    before, _ACTIVE.cache = _ACTIVE.cache, cache
     try:
         with attention_implementation(model, ATTN_NAME):
             yield
     finally:
-        _ACTIVE.reset(token)
+        _ACTIVE.cache = before
         cache._pending, cache._updated = None, 0
 
 
@@ -446,9 +459,9 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
         kwargs["prefill_chunk_size"] = PREFILL_CHUNK
     if input_ids is not None and config.max_new_tokens is not None:
         cache.reserve(input_ids.shape[-1] + config.max_new_tokens)
-    with _ring_active(model, cache):
+    with ring_active(model, cache):
         return model.generate(input_ids, cache=cache, **kwargs)
 
 
 __all__ = ["ATTN_NAME", "PREFILL_CHUNK", "FullLayer", "RingCache", "RingLayer", "generate",
-           "register"]
+           "register", "ring_active"]

@@ -163,7 +163,7 @@ class Collect(BaseStreamer):
     def put(self, value):
         self.tokens.append(value.reshape(-1).clone())
         if self.cache is not None:
-            self.ring_bytes[self.cache.get_seq_length()] = ring_bytes(self.cache)
+            self.ring_bytes[int(self.cache.get_seq_length())] = ring_bytes(self.cache)
         if self.fail_at is not None and len(self.tokens) == self.fail_at:
             raise KeyboardInterrupt("stop")
 
@@ -235,7 +235,7 @@ def test_nbytes_counts_every_layer():
 # ------------------------------------------------------------------------- errors
 def _state(model, cache):
     return (model.config._attn_implementation, cache.get_seq_length(), cache.nbytes,
-            hf._ACTIVE.get())
+            hf._ACTIVE.cache)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -270,7 +270,7 @@ def test_used_cache_is_refused_and_switch_restored_on_error():
     with pytest.raises(KeyboardInterrupt):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=9,
                     streamer=Collect(fail_at=4))
-    assert model.config._attn_implementation == "sdpa" and hf._ACTIVE.get() is None
+    assert model.config._attn_implementation == "sdpa" and hf._ACTIVE.cache is None
     state = _state(model, cache)
     with pytest.raises(ValueError, match="already holds tokens"):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=3)
@@ -308,6 +308,33 @@ def test_ring_cache_cannot_roll_back():
     for op in (lambda: cache.crop(2), lambda: cache.reorder_cache(torch.tensor([0]))):
         with pytest.raises(NotImplementedError, match="evicted"):
             op()
+
+
+# ------------------------------------------------------------------------- torch.compile
+def test_decode_step_compiles_once_fullgraph_and_matches_eager():
+    """All-ring cache: one graph (fullgraph=True: a graph break would raise), no recompile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = tiny_mistral(torch.float32)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model.forward, fullgraph=True, backend=counter)
+    runs = {}
+    for name, forward in (("eager", model.forward), ("compiled", compiled)):
+        cache = hf.RingCache(model)
+        assert cache.is_compileable
+        logits = []
+        with torch.no_grad(), hf.ring_active(model, cache):
+            tok = model(input_ids=prompt(9), cache=cache).logits[:, -1:].argmax(-1)  # prefill
+            for _ in range(12):  # decode past two wraps of the ring of 5
+                out = forward(input_ids=tok, cache=cache).logits[:, -1:]
+                logits.append(out)
+                tok = out.argmax(-1)
+        runs[name] = torch.cat(logits, dim=1), cache.layers[0].ring.positions.clone()
+    assert counter.frame_count == 1  # compiled at the first decode step, reused by the other 11
+    torch.testing.assert_close(runs["compiled"][0], runs["eager"][0])
+    assert torch.equal(runs["compiled"][1], runs["eager"][1])
+    assert not hf.RingCache(tiny_gemma()).is_compileable  # its full layers grow
 
 
 # ------------------------------------------------------------------------- the real model

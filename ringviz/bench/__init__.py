@@ -124,11 +124,14 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
     try:
         shape = Shape(config.batch, config.kv_heads, config.q_heads, config.head_dim,
                       getattr(torch, config.dtype), device)
+        rows = []
         with torch.inference_mode():
-            rows = _timing_rows("update", UPDATE_IMPLS, config.update_windows, shape, config)
-            rows += _timing_rows("decode_step", DECODE_IMPLS, config.decode_windows, shape,
-                                 config)
-        rows += _memory_rows(config, device)
+            for kind, impls, windows in (("update", UPDATE_IMPLS, config.update_windows),
+                                         ("decode_step", DECODE_IMPLS, config.decode_windows)):
+                if windows:  # an empty tuple skips the bench (``--only generate``)
+                    rows += _timing_rows(kind, impls, windows, shape, config)
+        if config.memory_steps:
+            rows += _memory_rows(config, device)
         if config.model:
             from ringviz.bench.model import model_rows
 
@@ -151,9 +154,22 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
     return result
 
 
-def run_bench(quick: bool, device: str, plot_dir: str | Path | None) -> dict:
-    """The CLI's entry: the quick configuration (every row but ``model``) or the full one."""
-    return run(QUICK if quick else FULL, device=device, plot_dir=plot_dir)
+def run_bench(quick: bool, device: str, plot_dir: str | Path | None, *,
+              only_generate: bool = False,
+              generate_cases: tuple[tuple[int, int], ...] | None = None,
+              generate_reps: int | None = None) -> dict:
+    """The CLI's entry: the quick configuration (every row but ``model`` and ``generate``) or
+    the full one; ``only_generate`` keeps the ``generate`` rows alone, with their cases and
+    repetitions optionally overridden (the full cases take hours on a 2-core CPU)."""
+    config = QUICK if quick else FULL
+    if only_generate:
+        config = replace(config, update_windows=(), decode_windows=(), memory_steps=0,
+                         model=False, generate=True)
+    if generate_cases is not None:
+        config = replace(config, generate_cases=tuple(generate_cases))
+    if generate_reps is not None:
+        config = replace(config, generate_reps=generate_reps)
+    return run(config, device=device, plot_dir=plot_dir)
 
 
 __all__ = ["FULL", "QUICK", "BenchConfig", "run", "run_bench"]
