@@ -11,7 +11,7 @@ paths, all inside transformers' ``generate`` with the same arguments:
 
 One repetition runs each path once, in a rotated order (repetition r starts with path r mod 3),
 so machine noise lands on all of them; the ratios ring/other are taken inside each repetition
-and their median and range reported. Wall time covers the whole call (prefill included); the
+and their median and range reported. Each path first runs once untimed (2 new tokens). Wall time covers the whole call (prefill included); the
 tokens of every path must be the same, or the row says they are not.
 """
 
@@ -61,6 +61,8 @@ def generate_rows(*, name: str = "gemma3", prompt_tokens: int, cases: tuple[tupl
     model, tokenizer = load_model(name, device=device)
     prompt = eval_tokens(tokenizer, prompt_tokens, device=device)
     config = model.config
+    for impl in GENERATE_IMPLS:  # untimed: first calls fault in kernels and allocator arenas
+        _call(impl, model, prompt[None], 2)
     rows = []
     for batch, new_tokens in cases:
         ids = prompt.expand(batch, -1).contiguous()  # (B, P)
