@@ -404,8 +404,7 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
     for name, why in (("past_key_values", "pass cache= (a RingCache) instead"),
                       ("position_ids", "positions come from attention_mask"),
                       ("cache_implementation", "the cache is a RingCache")):
-        if kwargs.get(name) is not None or (name == "cache_implementation"
-                                            and config.cache_implementation is not None):
+        if kwargs.get(name) is not None:
             raise ValueError(f"ringviz.hf.generate does not take {name}: {why}")
     mode = config.get_generation_mode(kwargs.get("assistant_model"))
     if mode not in SERVED_MODES:
@@ -457,6 +456,8 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
         raise ValueError("this RingCache already holds tokens: pass a fresh one")
     if config.prefill_chunk_size is None:
         kwargs["prefill_chunk_size"] = PREFILL_CHUNK
+    if config.cache_implementation is not None:  # a model default (e.g. Gemma 3's "hybrid")
+        kwargs["cache_implementation"] = None  # would clash with cache=: the ring replaces it
     if input_ids is not None and config.max_new_tokens is not None:
         cache.reserve(input_ids.shape[-1] + config.max_new_tokens)
     with ring_active(model, cache):

@@ -256,6 +256,17 @@ def test_rejected_calls_change_nothing(kwargs, match):
     assert _state(model, cache) == before
 
 
+def test_a_model_default_cache_implementation_gives_way_to_the_ring():
+    model = tiny_gemma()
+    ids = prompt(9)
+    ref = run(None, model, ids, max_new_tokens=10)
+    model.generation_config.cache_implementation = "static"  # hub Gemma 3 ships "hybrid"
+    out = run(hf.generate, model, ids, max_new_tokens=10)
+    assert torch.equal(out.sequences, ref.sequences) and max_score_diff(out, ref) < F64
+    assert isinstance(out.cache, hf.RingCache)
+    assert model.generation_config.cache_implementation == "static"  # left as it was
+
+
 def test_plain_generate_with_a_ring_cache_raises_naming_the_call():
     model = tiny_gemma(torch.float32)
     cache = hf.RingCache(model)

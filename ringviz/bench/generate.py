@@ -11,8 +11,9 @@ paths, all inside transformers' ``generate`` with the same arguments:
 
 One repetition runs each path once, in a rotated order (repetition r starts with path r mod 3),
 so machine noise lands on all of them; the ratios ring/other are taken inside each repetition
-and their median and range reported. Each path first runs once untimed (2 new tokens). Wall time covers the whole call (prefill included); the
-tokens of every path must be the same, or the row says they are not.
+and their median and range reported. Each path first runs once untimed (2 new tokens). Wall
+time covers the whole call (prefill included); the tokens of every path must be the same, or the
+row says they are not.
 """
 
 from __future__ import annotations
