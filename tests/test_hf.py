@@ -197,6 +197,19 @@ def test_chunked_prefill_bounds_attention_size(monkeypatch):
     assert {k for q, k in seen if q == 1} == {5}  # decode attends over the raw ring
 
 
+def test_masks_are_built_once_per_forward_per_layer_kind(monkeypatch):
+    calls = []
+    real = hf.ring_mask
+
+    def spy(**kwargs):
+        calls.append(kwargs.get("local_size"))
+        return real(**kwargs)
+
+    monkeypatch.setattr(hf, "ring_mask", spy)  # what register() hands to transformers
+    hf.generate(tiny_gemma(), prompt(9), max_new_tokens=5, do_sample=False)
+    assert sorted(calls, key=str) == [6] * 5 + [None] * 5  # 5 forwards x (sliding, full)
+
+
 # ------------------------------------------------------------------------- memory
 def test_ring_bytes_flat_from_20_to_2000_tokens():
     model = tiny_gemma(torch.float32)
