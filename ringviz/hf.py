@@ -36,7 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ringviz.cache import RingKVCache, masked_attention
 from ringviz.masks import band_mask
-from ringviz.models.drive import attention_implementation, layer_windows
+from ringviz.models.drive import attention_implementation
 
 ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transformers' registries
 PREFILL_CHUNK = 512  # default prefill chunk: a prompt is prefilled in chunks of this many tokens
@@ -225,6 +225,23 @@ def _layer_kinds(config) -> list[str]:
     return [KINDS[t] for t in types]
 
 
+def layer_windows(config, window: int | None) -> list[int | None]:
+    """Per layer: its ring's window, or None for a full layer that keeps every token.
+
+    A model with sliding layers keeps its split (their window: ``window``, default its own); a
+    model with none (Llama, Qwen2 without sliding) gets ``window`` on every layer.
+    """
+    kinds = _layer_kinds(config)
+    native = "sliding" in kinds
+    if window is None:
+        if not native:
+            raise ValueError(f"{config.model_type} has no native sliding window: pass window=W")
+        window = config.sliding_window
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    return [window if kind == "sliding" or not native else None for kind in kinds]
+
+
 def check_model(model) -> None:
     """Raise on attention features the ring path does not implement, naming the feature."""
     config = model.config
@@ -256,7 +273,7 @@ class RingCache(Cache):
 
     def __init__(self, model, *, window: int | None = None) -> None:
         check_model(model)
-        windows = layer_windows(model, window)  # ValueError on a bad window
+        windows = layer_windows(model.config, window)  # ValueError on a bad window
         kinds = _layer_kinds(model.config)
         super().__init__(layers=[RingLayer(w) if w else FullLayer() for w in windows])
         self.config = model.config
@@ -310,7 +327,7 @@ class RingCache(Cache):
             return (seen + torch.arange(T, device=device)).expand(batch, T)
         if attention_mask.shape != (batch, int(seen) + T):
             raise ValueError(f"attention_mask must cover every token so far: (B, seen + T) = "
-                             f"{(batch, seen + T)}, got {tuple(attention_mask.shape)}")
+                             f"{(batch, int(seen) + T)}, got {tuple(attention_mask.shape)}")
         mask = attention_mask.to(device=device, dtype=torch.bool)
         positions = mask.long().cumsum(-1)[:, -T:] - 1
         return positions.masked_fill(~mask[:, -T:], -1)

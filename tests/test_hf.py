@@ -48,10 +48,11 @@ def tiny_mistral(dtype=torch.float64, window=5):
     return _finish(transformers.MistralForCausalLM(config), dtype)
 
 
-def tiny_qwen2(dtype=torch.float64, window=5):
+def tiny_qwen2(dtype=torch.float64, window=5, sliding=True):
+    """Layer 0 full attention, layers 1-2 sliding; ``sliding=False``: all full, no window."""
     config = transformers.Qwen2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=sliding,
         sliding_window=window, max_window_layers=1, max_position_embeddings=4096,
         attn_implementation="sdpa")
     return _finish(transformers.Qwen2ForCausalLM(config), dtype)
@@ -100,10 +101,14 @@ def test_native_window_matches_hf_generate(name, dtype, tol):
         assert max_score_diff(out, ref) < tol
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma])
+def tiny_qwen2_full(dtype=torch.float64):
+    return tiny_qwen2(dtype, sliding=False)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma, tiny_qwen2_full])
 def test_imposed_window_matches_band_mask_recompute(make):
-    """Llama: every layer a ring of 5. Gemma 3: its sliding layers' 6 set to 4."""
-    model, W = make(), 5 if make is tiny_llama else 4
+    """Llama, full Qwen2: every layer a ring of 5. Gemma 3: its sliding layers' 6 set to 4."""
+    model, W = make(), 4 if make is tiny_gemma else 5
     ids = prompt(13)
     out = run(hf.generate, model, ids, window=W, max_new_tokens=6 * W, prefill_chunk_size=3)
     seq = out.sequences[0]
