@@ -86,7 +86,8 @@ class RingLayer(CacheLayerMixin):
 
         ``T == 1``: write the slot, return the ring itself (``window`` keys, slot order). ``T > 1``
         (a prefill chunk, possibly longer than the window): return ``[ring | chunk]`` as it was
-        before the write, then write (a chunk's early queries still need keys it overwrites).
+        before the write (just the chunk into an empty ring), then write (a chunk's early
+        queries still need keys it overwrites).
         """
         if positions is None:
             raise RuntimeError(_NOT_THROUGH_GENERATE)
@@ -98,23 +99,32 @@ class RingLayer(CacheLayerMixin):
             out = ring.k, ring.v
         else:
             pad = (positions < 0)[:, None, :, None]  # 0 * NaN is NaN: zero padded keys
-            out = (torch.cat([ring.k, key_states.masked_fill(pad, 0.0)], dim=2),
-                   torch.cat([ring.v, value_states.masked_fill(pad, 0.0)], dim=2))
+            out = key_states.masked_fill(pad, 0.0), value_states.masked_fill(pad, 0.0)
+            if not self.fresh():  # an empty ring adds nothing but W masked keys
+                out = torch.cat([ring.k, out[0]], dim=2), torch.cat([ring.v, out[1]], dim=2)
             ring.write(key_states, value_states, positions, check=False)
         self.seen.add_(T)
         return out
 
+    def fresh(self) -> bool:
+        """True before the first token (a host sync: asked only for prefill chunks)."""
+        return self.ring is None or int(self.seen) == 0
+
     def key_positions(self, q_positions: torch.Tensor) -> torch.Tensor:
         """``(B, K)`` position of each key :meth:`update` will return for these queries."""
+        if q_positions.shape[1] > 1:  # a chunk: [ring | chunk], or the chunk alone at first
+            if self.fresh():
+                return q_positions
+            return torch.cat([self.ring.positions, q_positions], dim=1)
         before = self.ring.positions if self.ring is not None else torch.full(
             (q_positions.shape[0], self.window), -1, dtype=torch.int64, device=q_positions.device)
-        if q_positions.shape[1] > 1:
-            return torch.cat([before, q_positions], dim=1)
         slots = torch.arange(self.window, device=before.device)
         return torch.where(slots == q_positions % self.window, q_positions, before)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return (self.window if query_length == 1 else self.window + query_length), 0
+        if query_length == 1:
+            return self.window, 0
+        return (0 if self.fresh() else self.window) + query_length, 0
 
     def get_seq_length(self) -> torch.Tensor:
         return self.seen

@@ -199,6 +199,7 @@ def test_chunked_prefill_bounds_attention_size(monkeypatch):
     hf.generate(model, prompt(60), window=5, max_new_tokens=3, do_sample=False,
                 prefill_chunk_size=7)
     assert max(q for q, _ in seen) == 7 and max(k for _, k in seen) == 5 + 7
+    assert seen[0] == (7, 7)  # the first chunk goes into an empty ring: its own keys only
     assert {k for q, k in seen if q == 1} == {5}  # decode attends over the raw ring
 
 
