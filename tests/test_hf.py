@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from ringviz import hf  # noqa: E402
+from ringviz.hf import attention  # noqa: E402
 from ringviz.models.reference import reference_logits  # noqa: E402
 
 VOCAB = 97
@@ -188,13 +189,13 @@ def test_streamer_sees_every_token():
 def test_chunked_prefill_bounds_attention_size(monkeypatch):
     """A 60-token prompt in chunks of 7 through rings of 5: no attention over more than 12 keys."""
     seen = []
-    real = hf.masked_attention
+    real = attention.masked_attention
 
     def spy(q, k, v, mask, *, scale=None):
         seen.append((q.shape[2], k.shape[2]))
         return real(q, k, v, mask, scale=scale)
 
-    monkeypatch.setattr(hf, "masked_attention", spy)
+    monkeypatch.setattr(attention, "masked_attention", spy)
     model = tiny_llama()
     hf.generate(model, prompt(60), window=5, max_new_tokens=3, do_sample=False,
                 prefill_chunk_size=7)
@@ -205,13 +206,13 @@ def test_chunked_prefill_bounds_attention_size(monkeypatch):
 
 def test_masks_are_built_once_per_forward_per_layer_kind(monkeypatch):
     calls = []
-    real = hf.ring_mask
+    real = attention.ring_mask
 
     def spy(**kwargs):
         calls.append(kwargs.get("local_size"))
         return real(**kwargs)
 
-    monkeypatch.setattr(hf, "ring_mask", spy)  # what register() hands to transformers
+    monkeypatch.setattr(attention, "ring_mask", spy)  # what register() hands to transformers
     hf.generate(tiny_gemma(), prompt(9), max_new_tokens=5, do_sample=False)
     assert sorted(calls, key=str) == [6] * 5 + [None] * 5  # 5 forwards x (sliding, full)
 
@@ -254,7 +255,7 @@ def test_nbytes_counts_every_layer():
 # ------------------------------------------------------------------------- errors
 def _state(model, cache):
     return (model.config._attn_implementation, cache.get_seq_length(), cache.nbytes,
-            hf._ACTIVE.cache)
+            attention._ACTIVE.cache)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -300,7 +301,7 @@ def test_used_cache_is_refused_and_switch_restored_on_error():
     with pytest.raises(KeyboardInterrupt):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=9,
                     streamer=Collect(fail_at=4))
-    assert model.config._attn_implementation == "sdpa" and hf._ACTIVE.cache is None
+    assert model.config._attn_implementation == "sdpa" and attention._ACTIVE.cache is None
     state = _state(model, cache)
     with pytest.raises(ValueError, match="already holds tokens"):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=3)
