@@ -11,9 +11,9 @@ paths, all inside transformers' ``generate`` with the same arguments:
 
 One repetition runs each path once, in a rotated order (repetition r starts with path r mod 3),
 so machine noise lands on all of them; the ratios ring/other are taken inside each repetition
-and their median and range reported. Each path first runs once untimed (2 new tokens). Wall
-time covers the whole call (prefill included); the tokens of every path must be the same, or the
-row says they are not.
+and their median and range reported. Each path first runs once untimed at the case's batch
+(2 new tokens). Wall time covers the whole call (prefill included); the tokens of every path
+must be the same, or the row says they are not.
 """
 
 from __future__ import annotations
@@ -62,11 +62,11 @@ def generate_rows(*, name: str = "gemma3", prompt_tokens: int, cases: tuple[tupl
     model, tokenizer = load_model(name, device=device)
     prompt = eval_tokens(tokenizer, prompt_tokens, device=device)
     config = model.config
-    for impl in GENERATE_IMPLS:  # untimed: first calls fault in kernels and allocator arenas
-        _call(impl, model, prompt[None], 2)
     rows = []
     for batch, new_tokens in cases:
         ids = prompt.expand(batch, -1).contiguous()  # (B, P)
+        for impl in GENERATE_IMPLS:  # untimed, at this batch: first calls fault in memory
+            _call(impl, model, ids, 2)
         seconds: dict[str, list[float]] = {impl: [] for impl in GENERATE_IMPLS}
         outputs: dict[str, torch.Tensor] = {}
         for r in range(reps):
