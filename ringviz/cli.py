@@ -90,11 +90,26 @@ def _cmd_bench(args: argparse.Namespace) -> dict:
     from ringviz.bench import run_bench
 
     return run_bench(quick=args.quick, device=args.device, plot_dir=args.plot_dir,
-                     only_sinks=args.sinks_only)
+                     only_part=args.only, generate_cases=args.generate_cases,
+                     generate_reps=args.generate_reps)
+
+
+def _cases(text: str) -> list[tuple[int, int]]:
+    """``"1x96,8x2048"`` -> ``[(1, 96), (8, 2048)]`` (batch x new tokens)."""
+    try:
+        cases = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        cases = []
+    if not cases or any(len(c) != 2 or c[0] < 1 or c[1] < 2 for c in cases):
+        raise argparse.ArgumentTypeError(
+            f"expected BATCHxNEW[,BATCHxNEW...] with BATCH >= 1, NEW >= 2; got {text!r}")
+    return cases
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, one subparser per subcommand."""
+    from ringviz.bench import PARTS
+
     parser = argparse.ArgumentParser(
         prog="python -m ringviz",
         description="Ring-buffer KV cache for sliding-window attention: demos, proofs, benchmarks.",
@@ -142,8 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (< 2 min on 2 CPUs)")
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--plot-dir", default=None, help="also write the plots (PNG) here")
-    bench.add_argument("--sinks-only", action="store_true",
-                       help="only the attention-sink benches (sinks_update, sinks_decode)")
+    bench.add_argument("--only", choices=PARTS, default=None,
+                       help="one part alone: 'sinks' (sinks_update, sinks_decode) or 'generate' "
+                            "(Gemma-3-270M generate(), ringviz.hf vs HF's caches)")
+    bench.add_argument("--generate-cases", type=_cases, default=None,
+                       help="generate() cases, BATCHxNEW,... (default 1x96,8x2048)")
+    bench.add_argument("--generate-reps", type=_positive_int, default=None,
+                       help="repetitions of each generate() case (default 3)")
     bench.set_defaults(func=_cmd_bench)
 
     for p in (demo, eq, ppl, stream, bench):

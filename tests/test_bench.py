@@ -28,7 +28,7 @@ TINY = BenchConfig(update_windows=(8, 32), decode_windows=(8, 16), batch=2, kv_h
                    q_heads=4, head_dim=8, reps=2, warmup=1, min_sample_s=1e-4,
                    memory_window=16, memory_steps=200, memory_growing_steps=50, model=False,
                    sink_windows=(8, 32), sinks=2, sink_kv_heads=2, sink_q_heads=4,
-                   sink_head_dim=8)
+                   sink_head_dim=8, generate=False, decode_batches=(1, 2))
 ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads": int,
               "head_dim": int, "dtype": str, "device": str, "median_us": float,
               "p10_us": float, "p90_us": float, "reps": int}
@@ -44,6 +44,10 @@ def test_every_row_is_present_and_typed(tiny_run):
     keys = {(r["bench"], r["impl"], r["window"]) for r in tiny_run["rows"]}
     assert {("update", i, w) for i in UPDATE_IMPLS for w in TINY.update_windows} <= keys
     assert {("decode_step", i, w) for i in DECODE_IMPLS for w in TINY.decode_windows} <= keys
+    decode = {(r["impl"], r["window"], r["batch"]) for r in tiny_run["rows"]
+              if r["bench"] == "decode_step"}
+    assert decode == {(i, w, b) for i in DECODE_IMPLS for w in TINY.decode_windows
+                      for b in TINY.decode_batches}
     for bench in ("sinks_update", "sinks_decode"):
         assert {(bench, i, w) for i in SINK_IMPLS for w in TINY.sink_windows} <= keys
     assert {r["impl"] for r in tiny_run["rows"] if r["bench"] == "memory"} == {"ring", "growing"}
@@ -99,14 +103,19 @@ def _median(result: dict, bench: str, impl: str, window: int) -> float:
 def test_figures_divide_the_right_rows():
     rows = [{"bench": "update", "impl": "ring", "window": 8, "median_us": 2.0},
             {"bench": "update", "impl": "hf_dynamic", "window": 8, "median_us": 3000.0},
-            {"bench": "decode_step", "impl": "ring", "window": 8, "median_us": 110.0},
-            {"bench": "decode_step", "impl": "attention_only", "window": 8, "median_us": 100.0},
+            {"bench": "decode_step", "impl": "ring", "window": 8, "batch": 1, "median_us": 110.0},
+            {"bench": "decode_step", "impl": "attention_only", "window": 8, "batch": 1,
+             "median_us": 100.0},
+            {"bench": "decode_step", "impl": "ring", "window": 8, "batch": 4, "median_us": 500.0},
+            {"bench": "decode_step", "impl": "attention_only", "window": 8, "batch": 4,
+             "median_us": 400.0},
             {"bench": "model", "impl": "ring", "tokens_per_s": 12.0, "tokens_match": True},
             {"bench": "model", "impl": "hf_default", "tokens_per_s": 10.0,
              "tokens_match": True}]
     f = figures(rows)
     assert f["update_hf_dynamic_over_ring_W8"] == 1500.0
-    assert math.isclose(f["decode_ring_over_attention_only_W8"], 1.1)
+    assert math.isclose(f["decode_ring_over_attention_only_W8_B1"], 1.1)
+    assert math.isclose(f["decode_ring_over_attention_only_W8_B4"], 1.25)  # each batch its own
     assert math.isclose(f["model_ring_over_hf_tokens_per_s"], 1.2)
     assert "update_ring_W8_over_W8" not in f and "memory_ring_steps" not in f
 
@@ -158,6 +167,24 @@ def test_the_contract_configurations():
         assert config.memory_steps == 100_000
         assert config.sink_windows == (256, 1024, 4096, 16384) and config.sinks == 4
     assert not QUICK.model and FULL.model
+    assert not QUICK.generate and FULL.generate
+    assert (FULL.generate_prompt_tokens, FULL.generate_cases) == (600, ((1, 96), (8, 2048)))
+
+
+def test_generate_ratios_are_paired_per_repetition():
+    from ringviz.bench.generate import generate_figures
+
+    def row(impl, seconds):
+        return {"bench": "generate", "impl": impl, "batch": 1, "new_tokens": 4,
+                "seconds": seconds, "tokens_match_ring": True}
+
+    got = generate_figures([row("ring", [1.0, 2.0]), row("hf_default", [1.5, 2.0]),
+                            row("hf_static", [2.0, 2.0])])
+    assert got["generate_ring_over_hf_default_B1_N4"] == 1.25  # median of 1.5 and 1.0
+    assert (got["generate_ring_over_hf_default_B1_N4_min"],
+            got["generate_ring_over_hf_default_B1_N4_max"]) == (1.0, 1.5)
+    assert got["generate_ring_over_hf_static_B1_N4_max"] == 2.0
+    assert got["generate_tokens_match_B1_N4"]
 
 
 def test_interleaving_rotates_and_counts_every_call():

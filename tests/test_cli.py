@@ -51,3 +51,17 @@ def test_human_output_tabulates_rows(capsys):
     assert lines[2].split() == ["bench", "impl", "window", "median_us"]
     assert lines[3].split() == ["update", "ring", "256", "12.35"]
     assert lines[-1] == "  ratio: 1041"
+
+
+def test_bench_generate_cases_parse_and_reject():
+    import argparse
+
+    from ringviz.cli import _cases
+
+    assert _cases("1x96,8x2048") == [(1, 96), (8, 2048)]
+    for bad in ("8x1", "0x96", "96", "1x96,x", "axb"):
+        with pytest.raises(argparse.ArgumentTypeError, match="BATCHxNEW"):
+            _cases(bad)
+    args = build_parser().parse_args(["bench", "--only", "generate", "--generate-cases", "8x512",
+                                      "--generate-reps", "2"])
+    assert (args.only, args.generate_cases, args.generate_reps) == ("generate", [(8, 512)], 2)

@@ -10,10 +10,13 @@ chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``b
 * ``model``: Gemma-3-270M decode tokens/s, ring vs Hugging Face's default cache.
 * ``sinks_update`` / ``sinks_decode``: attention sinks, the ring's O(S) sink rotation against
   StreamingLLM's re-rotation of the whole cache and a ``[sinks | ring]`` concat (``sinks.py``).
+* ``generate``: Gemma-3-270M end-to-end ``generate()`` tokens/s, ``ringviz.hf.generate`` vs
+  Hugging Face's default and static caches.
 
 Modules: ``harness`` (timing, machine facts), ``cases`` (the implementations), ``memory``
-(subprocess RSS runs), ``model`` (the real model), ``sinks`` (the sink caches), ``report``
-(ratios and plots).
+(subprocess RSS runs), ``model`` (the real model), ``generate`` (the real model inside
+``generate()``), ``sinks`` (the sink caches), ``prefill`` (peak RSS of a long prompt, run on
+its own), ``report`` (ratios and plots).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ class BenchConfig:
 
     update_windows: tuple[int, ...] = (256, 1024, 4096, 16384)  # W for bench="update"
     decode_windows: tuple[int, ...] = (1024, 4096)  # W for bench="decode_step"
-    batch: int = 8  # B
+    decode_batches: tuple[int, ...] = (1, 8)  # B for bench="decode_step"
+    batch: int = 8  # B (update)
     kv_heads: int = 8  # n_kv_heads
     q_heads: int = 8  # Hq (decode_step); a multiple of kv_heads
     head_dim: int = 128  # D
@@ -63,16 +67,27 @@ class BenchConfig:
     sink_kv_heads: int = 8
     sink_q_heads: int = 32
     sink_head_dim: int = 128
+    generate: bool = True  # bench="generate": Gemma-3-270M generate(), ring vs HF's caches
+    generate_prompt_tokens: int = 600
+    generate_cases: tuple[tuple[int, int], ...] = ((1, 96), (8, 2048))  # (batch, new tokens)
+    generate_reps: int = 3
 
 
 FULL = BenchConfig()
 QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
-                model=False)
+                model=False, generate=False)
+PARTS = ("sinks", "generate")  # what ``--only`` can keep
 
 
-def sinks_only(config: BenchConfig) -> BenchConfig:
-    """``config`` with only the sinks benches (``--sinks-only``): no update, memory or model."""
-    return replace(config, update_windows=(), decode_windows=(), memory=False, model=False)
+def only(config: BenchConfig, part: str) -> BenchConfig:
+    """``config`` with one part's benches alone (``--only sinks`` / ``--only generate``)."""
+    if part not in PARTS:
+        raise ValueError(f"part must be one of {PARTS}, got {part!r}")
+    rest = replace(config, update_windows=(), decode_windows=(), memory=False, model=False,
+                   sink_windows=(), generate=False)
+    if part == "sinks":
+        return replace(rest, sink_windows=config.sink_windows)
+    return replace(rest, generate=True)
 
 
 def _log(message: str) -> None:
@@ -156,9 +171,9 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
             if config.update_windows:
                 rows += _timing_rows("update", UPDATE_IMPLS, config.update_windows, shape,
                                      config)
-            if config.decode_windows:
-                rows += _timing_rows("decode_step", DECODE_IMPLS, config.decode_windows, shape,
-                                     config)
+            for batch in config.decode_batches if config.decode_windows else ():
+                rows += _timing_rows("decode_step", DECODE_IMPLS, config.decode_windows,
+                                     replace(shape, batch=batch), config)
             if config.sink_windows:
                 rows += _sink_rows(config, device)
         if config.memory:
@@ -168,6 +183,12 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
 
             rows += model_rows(prompt_tokens=config.model_prompt_tokens,
                                new_tokens=config.model_new_tokens, device=device)
+        if config.generate:
+            from ringviz.bench.generate import generate_rows
+
+            rows += generate_rows(prompt_tokens=config.generate_prompt_tokens,
+                                  cases=config.generate_cases, reps=config.generate_reps,
+                                  device=device, log=_log)
         result = {"device": device.type, "machine": machine_info(device),
                   "config": asdict(config), "rows": rows}
     finally:
@@ -179,11 +200,21 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
     return result
 
 
-def run_bench(quick: bool, device: str, plot_dir: str | Path | None,
-              only_sinks: bool = False) -> dict:
-    """The CLI's entry: the quick configuration (every row but ``model``) or the full one."""
+def run_bench(quick: bool, device: str, plot_dir: str | Path | None, *,
+              only_part: str | None = None,
+              generate_cases: tuple[tuple[int, int], ...] | None = None,
+              generate_reps: int | None = None) -> dict:
+    """The CLI's entry: the quick configuration (every row but ``model`` and ``generate``) or
+    the full one; ``only_part`` keeps one part's rows alone (:func:`only`), and the generate
+    cases and repetitions can be overridden (the full cases take hours on a 2-core CPU)."""
     config = QUICK if quick else FULL
-    return run(sinks_only(config) if only_sinks else config, device=device, plot_dir=plot_dir)
+    if only_part is not None:
+        config = only(config, only_part)
+    if generate_cases is not None:
+        config = replace(config, generate_cases=tuple(generate_cases))
+    if generate_reps is not None:
+        config = replace(config, generate_reps=generate_reps)
+    return run(config, device=device, plot_dir=plot_dir)
 
 
-__all__ = ["FULL", "QUICK", "BenchConfig", "run", "run_bench", "sinks_only"]
+__all__ = ["FULL", "PARTS", "QUICK", "BenchConfig", "only", "run", "run_bench"]

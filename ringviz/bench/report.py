@@ -39,14 +39,19 @@ def _update_figures(rows: Sequence[dict]) -> dict:
 
 
 def _decode_figures(rows: Sequence[dict]) -> dict:
+    """Per batch size B and window W: ring over attention alone, naive_cat over ring."""
     out = {}
-    for w in _windows(rows, "decode_step"):
-        ring = _median(rows, "decode_step", "ring", w)
-        for impl, key in (("attention_only", "decode_ring_over_attention_only"),
-                          ("naive_cat", "decode_naive_cat_over_ring")):
-            other = _median(rows, "decode_step", impl, w)
-            if ring and other:
-                out[f"{key}_W{w}"] = ring / other if impl == "attention_only" else other / ring
+    decode = [r for r in rows if r["bench"] == "decode_step"]
+    for b in sorted({r["batch"] for r in decode}):
+        at_b = [r for r in decode if r["batch"] == b]
+        for w in _windows(at_b, "decode_step"):
+            ring = _median(at_b, "decode_step", "ring", w)
+            for impl, key in (("attention_only", "decode_ring_over_attention_only"),
+                              ("naive_cat", "decode_naive_cat_over_ring")):
+                other = _median(at_b, "decode_step", impl, w)
+                if ring and other:
+                    out[f"{key}_W{w}_B{b}"] = (ring / other if impl == "attention_only"
+                                               else other / ring)
     return out
 
 
@@ -102,8 +107,10 @@ def _sink_figures(rows: Sequence[dict]) -> dict:
 
 def figures(rows: Sequence[dict]) -> dict:
     """The headline ratios of one run, named after what they divide."""
+    from ringviz.bench.generate import generate_figures
+
     return {**_update_figures(rows), **_decode_figures(rows), **_memory_figures(rows),
-            **_model_figures(rows), **_sink_figures(rows)}
+            **_model_figures(rows), **_sink_figures(rows), **generate_figures(rows)}
 
 
 def _as_ms(rows: Sequence[dict], bench: str) -> list[dict]:
@@ -127,7 +134,10 @@ def plot_update(rows: Sequence[dict], ax=None):
 
 
 def plot_decode(rows: Sequence[dict], ax=None):
-    """Latency of write + one query's attention vs W, one line per impl."""
+    """Latency of write + one query's attention vs W, one line per impl (and batch size)."""
+    decode = [r for r in rows if r["bench"] == "decode_step"]
+    if len({r["batch"] for r in decode}) > 1:
+        rows = [{**r, "impl": f"{r['impl']}, B={r['batch']}"} for r in decode]
     return _plot_bench_latency(rows, "decode_step", "ms per decode step (median)",
                                "A whole decode step: store one token, attend over W keys", ax)
 

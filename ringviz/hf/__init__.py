@@ -1,0 +1,100 @@
+"""The ring inside Hugging Face's ``generate()``: :class:`RingCache` and :func:`generate`.
+
+``RingCache(model)`` is a real ``transformers.Cache``. Its sliding layers are rings
+(:class:`ringviz.cache.RingKVCache`: slot ``pos % W``, stored positions, one slot written per
+token, never a copy of the window); its full-attention layers keep every token in storage that
+grows geometrically, so no step copies their history. The data path of one layer::
+
+    q, k, v (RoPE at absolute positions, by HF) -> cache.update: ring write at slot pos % W
+        -> mask from stored positions (built once per forward per window) -> attention
+
+Hugging Face's stock masks assume key ``i`` holds position ``kv_offset + i`` (keys in temporal
+order); a ring's slots break that as soon as it wraps, is not full, takes a chunk or a padded row.
+So the masks come from ringviz: a mask function registered in ``AttentionMaskInterface`` under
+:data:`ATTN_NAME` (transformers calls it once per layer type and forward) reads the ring's stored
+positions, and an attention function registered in ``AttentionInterface`` under the same name
+applies them. :func:`generate` switches the model to that name for the call and back afterwards.
+Plain ``model.generate(cache=RingCache(model))`` keeps the stock masks, so the first cache write
+raises an error that names :func:`generate`; it is never silently wrong.
+
+Modules: ``layers`` (``RingLayer``, ``FullLayer``), ``cache`` (``RingCache``), ``attention``
+(the mask and attention hooks, ``ring_active``); :func:`generate` lives here.
+
+Positions: a row's token at absolute position ``p`` is the ``p``-th real token of that row
+(``attention_mask.cumsum(-1) - 1``, what ``generate`` feeds RoPE); padding is ``-1`` and never
+takes a slot.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
+
+from ringviz.hf.attention import ATTN_NAME, register, ring_active
+from ringviz.hf.cache import RingCache, check_model, layer_windows
+from ringviz.hf.layers import FullLayer, RingLayer
+
+PREFILL_CHUNK = 512  # default prefill chunk: a prompt is prefilled in chunks of this many tokens
+SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+
+def _generation_config(model, kwargs: dict) -> GenerationConfig:
+    """The generation config this call would use (a copy: the model's stays untouched)."""
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return config
+
+
+def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
+    """Raise on what a ring cannot serve, before anything runs."""
+    for name, why in (("past_key_values", "pass cache= (a RingCache) instead"),
+                      ("position_ids", "positions come from attention_mask"),
+                      ("cache_implementation", "the cache is a RingCache")):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"ringviz.hf.generate does not take {name}: {why}")
+    mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    if mode not in SERVED_MODES:
+        raise ValueError(f"generation mode {mode.value!r} is not supported by RingCache: it "
+                         f"needs crop/reorder of tokens a ring has evicted; use greedy or "
+                         f"sampling (num_beams=1, no assistant)")
+    if config.output_attentions:
+        raise ValueError("output_attentions is not supported: the ring attention returns no "
+                         "weights")
+    if config.use_cache is False:
+        raise ValueError("use_cache=False would bypass the RingCache")
+
+
+def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None = None,
+             **kwargs):
+    """``model.generate(input_ids, **kwargs)`` decoded through a :class:`RingCache`.
+
+    A fresh ``RingCache(model, window=window)`` unless ``cache=`` passes one (unused, built for
+    this model). The prompt is prefilled in chunks of ``prefill_chunk_size`` tokens
+    (default :data:`PREFILL_CHUNK`). Greedy and sampling only.
+    """
+    cache = kwargs.pop("cache", None)
+    config = _generation_config(model, kwargs)
+    _check_call(model, kwargs, config)
+    if cache is None:
+        cache = RingCache(model, window=window)
+    elif not isinstance(cache, RingCache) or cache.config is not model.config:
+        raise ValueError("cache= must be a RingCache built for this model")
+    elif window is not None and window != cache.window:
+        raise ValueError(f"window={window} differs from the cache's window {cache.window}")
+    elif cache.get_seq_length() > 0:
+        raise ValueError("this RingCache already holds tokens: pass a fresh one")
+    if config.prefill_chunk_size is None:
+        kwargs["prefill_chunk_size"] = PREFILL_CHUNK
+    if config.cache_implementation is not None:  # a model default (e.g. Gemma 3's "hybrid")
+        kwargs["cache_implementation"] = None  # would clash with cache=: the ring replaces it
+    if input_ids is not None and config.max_new_tokens is not None:
+        cache.reserve(input_ids.shape[-1] + config.max_new_tokens)
+    with ring_active(model, cache):
+        return model.generate(input_ids, cache=cache, **kwargs)
+
+
+__all__ = ["ATTN_NAME", "PREFILL_CHUNK", "FullLayer", "RingCache", "RingLayer", "check_model",
+           "generate", "layer_windows", "register", "ring_active"]

@@ -1,0 +1,148 @@
+"""RingCache: a ``transformers.Cache`` made of ring layers and growing full layers."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache
+
+from ringviz.hf.layers import NOT_THROUGH_GENERATE, FullLayer, RingLayer
+from ringviz.masks import band_mask
+
+KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
+
+
+def _layer_kinds(config) -> list[str]:
+    """Per layer, which mask transformers builds for it: ``"full"`` or ``"sliding"``."""
+    types = getattr(config, "layer_types", None)
+    if types is None:  # Mistral-style: one kind for all layers, set by config.sliding_window
+        kind = "sliding" if getattr(config, "sliding_window", None) is not None else "full"
+        return [kind] * config.num_hidden_layers
+    unknown = sorted(set(types) - KINDS.keys())
+    if unknown:
+        raise ValueError(f"layer types {unknown} are not supported by RingCache "
+                         f"(only {sorted(KINDS)})")
+    return [KINDS[t] for t in types]
+
+
+def layer_windows(config, window: int | None) -> list[int | None]:
+    """Per layer: its ring's window, or None for a full layer that keeps every token.
+
+    A model with sliding layers keeps its split (their window: ``window``, default its own); a
+    model with none (Llama, Qwen2 without sliding) gets ``window`` on every layer.
+    """
+    kinds = _layer_kinds(config)
+    native = "sliding" in kinds
+    if window is None:
+        if not native:
+            raise ValueError(f"{config.model_type} has no native sliding window: pass window=W")
+        window = config.sliding_window
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"window must be a positive int, got {window!r}")
+    return [window if kind == "sliding" or not native else None for kind in kinds]
+
+
+def check_model(model) -> None:
+    """Raise on attention features the ring path does not implement, naming the feature."""
+    config = model.config
+    if config.get_text_config() is not config or getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{type(model).__name__}: RingCache serves decoder-only text models")
+    features = {
+        "attention logit soft-capping (as in Gemma 2)":
+            getattr(config, "attn_logit_softcapping", None) is not None,
+        "learned attention sinks (as in gpt-oss)": any(
+            isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()),
+        "ALiBi position biases": bool(getattr(config, "alibi", False))
+            or config.model_type in ("bloom", "mpt") or "alibi" in str(
+                getattr(config, "position_embedding_type", "")),
+        "bidirectional attention": bool(getattr(config, "use_bidirectional_attention", False)),
+        "chunked attention": getattr(config, "attention_chunk_size", None) is not None,
+    }
+    found = [name for name, present in features.items() if present]
+    if found:
+        raise ValueError(f"{config.model_type} uses {', '.join(found)}, which the ring "
+                         f"attention path does not implement")
+
+
+class RingCache(Cache):
+    """A ``transformers.Cache`` of rings (sliding layers) and growing full layers.
+
+    ``window=None`` keeps a model's own sliding window on its sliding layers; ``window=W`` sets
+    it, and on a model without one (Llama, SmolLM2) makes every layer a ring of ``W``.
+    """
+
+    def __init__(self, model, *, window: int | None = None) -> None:
+        check_model(model)
+        windows = layer_windows(model.config, window)  # ValueError on a bad window
+        kinds = _layer_kinds(model.config)
+        super().__init__(layers=[RingLayer(w) if w else FullLayer() for w in windows])
+        self.config = model.config
+        self.window = windows_of(windows)
+        self.kind_layer: dict[str, int] = {}  # kind -> first layer of that kind
+        for i, (kind, w) in enumerate(zip(kinds, windows, strict=True)):
+            first = self.kind_layer.setdefault(kind, i)
+            if windows[first] != w:
+                raise ValueError(f"layers {first} and {i} get the same mask but windows "
+                                 f"{windows[first]} and {w}")
+        self._pending: torch.Tensor | None = None  # positions of this forward's new tokens
+        self._updated = 0  # layers updated in the current forward
+        self._checked_kinds: set[str] = set()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every layer's storage (keys, values, stored positions)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's write, at the positions this forward's mask function computed."""
+        positions = self._pending
+        if positions is None or positions.shape != (key_states.shape[0], key_states.shape[2]):
+            raise RuntimeError(NOT_THROUGH_GENERATE)
+        out = self.layers[layer_idx].update(key_states, value_states, positions=positions)
+        self._updated += 1
+        if self._updated == len(self.layers):  # the forward is done: its positions are spent
+            self._pending, self._updated = None, 0
+        return out
+
+    def reserve(self, tokens: int) -> None:
+        """Size the full layers for ``tokens`` at first use (they still grow past it)."""
+        for layer in self.layers:
+            if isinstance(layer, FullLayer) and not layer.is_initialized:
+                layer.capacity_hint = tokens
+
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError(
+            "RingCache cannot crop, reorder or repeat its rows: a ring has evicted the tokens "
+            "that beam search and assisted decoding would roll back to; use greedy or sampling")
+
+    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+
+    # ------------------------------------------------------------------ masks
+    def new_positions(self, attention_mask: torch.Tensor | None, batch: int, T: int,
+                      device: torch.device) -> torch.Tensor:
+        """``(B, T)`` absolute positions of the new tokens (-1 = padding), from the 2D mask."""
+        seen = self.layers[0].get_seq_length()  # a tensor for a ring layer: no host sync
+        if attention_mask is None:
+            return (seen + torch.arange(T, device=device)).expand(batch, T)
+        if attention_mask.shape != (batch, int(seen) + T):
+            raise ValueError(f"attention_mask must cover every token so far: (B, seen + T) = "
+                             f"{(batch, int(seen) + T)}, got {tuple(attention_mask.shape)}")
+        mask = attention_mask.to(device=device, dtype=torch.bool)
+        positions = mask.long().cumsum(-1)[:, -T:] - 1
+        return positions.masked_fill(~mask[:, -T:], -1)
+
+    def build_mask(self, kind: str, q_positions: torch.Tensor) -> torch.Tensor:
+        """Bool ``(B, 1, T, K)`` visibility of the keys the layers of ``kind`` will return."""
+        layer = self.layers[self.kind_layer[kind]]
+        if isinstance(layer, RingLayer):
+            return band_mask(q_positions, layer.key_positions(q_positions), layer.window)[:, None]
+        slots = torch.arange(layer.seen + q_positions.shape[1], device=q_positions.device)
+        return ((slots <= q_positions[..., None]) & (q_positions[..., None] >= 0))[:, None]
+
+
+def windows_of(windows: list[int | None]) -> int | None:
+    """The one ring window of a cache (None if it has no ring)."""
+    rings = {w for w in windows if w is not None}
+    if len(rings) > 1:
+        raise ValueError(f"RingCache supports one window per model, got {sorted(rings)}")
+    return rings.pop() if rings else None

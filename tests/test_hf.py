@@ -1,0 +1,384 @@
+"""ringviz.hf: RingCache inside transformers' generate(), on tiny random models (seconds).
+
+Native windows are checked against Hugging Face's own generate (its default cache); imposed
+windows against a full recompute with an explicit band mask (ringviz.models.reference).
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+from ringviz import hf  # noqa: E402
+from ringviz.hf import attention  # noqa: E402
+from ringviz.models.reference import reference_logits  # noqa: E402
+
+VOCAB = 97
+F64 = 1e-7  # float64: the ring path and HF's share every module but attention
+F32 = 1e-4  # float32 noise on these tiny models
+
+
+def _finish(model, dtype):
+    return model.to(dtype=dtype).eval()
+
+
+def tiny_llama(dtype=torch.float64):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
+        attn_implementation="sdpa")
+    return _finish(transformers.LlamaForCausalLM(config), dtype)
+
+
+def tiny_gemma(dtype=torch.float64, window=6):
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=window,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=16, max_position_embeddings=4096, attn_implementation="sdpa")
+    return _finish(transformers.Gemma3ForCausalLM(config), dtype)
+
+
+def tiny_mistral(dtype=torch.float64, window=5):
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window,
+        max_position_embeddings=4096, attn_implementation="sdpa")
+    return _finish(transformers.MistralForCausalLM(config), dtype)
+
+
+def tiny_qwen2(dtype=torch.float64, window=5, sliding=True):
+    """Layer 0 full attention, layers 1-2 sliding; ``sliding=False``: all full, no window."""
+    config = transformers.Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=sliding,
+        sliding_window=window, max_window_layers=1, max_position_embeddings=4096,
+        attn_implementation="sdpa")
+    return _finish(transformers.Qwen2ForCausalLM(config), dtype)
+
+
+NATIVE = {"gemma3": tiny_gemma, "mistral": tiny_mistral, "qwen2": tiny_qwen2}
+
+
+def prompt(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def run(fn, model, ids, **kwargs):
+    """Greedy (unless kwargs say otherwise) with scores, through ``fn`` (HF or ringviz)."""
+    kwargs = {"do_sample": False, "output_scores": True, "return_dict_in_generate": True,
+              "pad_token_id": 0, **kwargs}
+    return fn(model, ids, **kwargs) if fn is hf.generate else model.generate(ids, **kwargs)
+
+
+def max_score_diff(a, b) -> float:
+    """Largest |difference| of two runs' scores; -inf (tokens a warper removed) must agree."""
+    worst = 0.0
+    for x, y in zip(a.scores, b.scores, strict=True):
+        assert torch.equal(torch.isinf(x), torch.isinf(y))
+        finite = torch.isfinite(x)
+        worst = max(worst, float((x[finite] - y[finite]).abs().max()))
+    return worst
+
+
+def ring_bytes(cache: hf.RingCache) -> int:
+    return sum(layer.nbytes for layer in cache.layers if isinstance(layer, hf.RingLayer))
+
+
+# ------------------------------------------------------------------------- equivalence
+@pytest.mark.parametrize("name", sorted(NATIVE))
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, F64), (torch.float32, F32)])
+def test_native_window_matches_hf_generate(name, dtype, tol):
+    """Prompt > W, chunked prefill (chunks < and > W), max_new_tokens = 8 W."""
+    model = NATIVE[name](dtype)
+    W = model.config.sliding_window
+    ids = prompt(3 * W + 2)
+    ref = run(None, model, ids, max_new_tokens=8 * W)
+    for chunk in (4, 2 * W + 1):
+        out = run(hf.generate, model, ids, max_new_tokens=8 * W, prefill_chunk_size=chunk)
+        assert torch.equal(out.sequences, ref.sequences)
+        assert max_score_diff(out, ref) < tol
+
+
+def tiny_qwen2_full(dtype=torch.float64):
+    return tiny_qwen2(dtype, sliding=False)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma, tiny_qwen2_full])
+def test_imposed_window_matches_band_mask_recompute(make):
+    """Llama, full Qwen2: every layer a ring of 5. Gemma 3: its sliding layers' 6 set to 4."""
+    model, W = make(), 4 if make is tiny_gemma else 5
+    ids = prompt(13)
+    out = run(hf.generate, model, ids, window=W, max_new_tokens=6 * W, prefill_chunk_size=3)
+    seq = out.sequences[0]
+    with torch.no_grad():
+        ref = reference_logits(model, seq, W)  # (L, vocab): band mask or HF's own at W
+    scores = torch.stack(out.scores)[:, 0]  # (new, vocab)
+    assert (scores - ref[ids.shape[1] - 1:-1]).abs().max() < F64
+    assert torch.equal(seq[ids.shape[1]:], ref[ids.shape[1] - 1:-1].argmax(-1))
+
+
+def test_sampling_same_seed_same_tokens():
+    model = tiny_gemma(torch.float32)
+    ids = prompt(9)
+    kwargs = {"do_sample": True, "top_k": 20, "temperature": 0.9, "max_new_tokens": 30}
+    torch.manual_seed(7)
+    ref = run(None, model, ids, **kwargs)
+    torch.manual_seed(7)
+    out = run(hf.generate, model, ids, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_score_diff(out, ref) < F32
+
+
+def test_left_padded_batch_matches_hf():
+    model = tiny_gemma()
+    ids = prompt(14, batch=3)
+    mask = torch.ones_like(ids)
+    mask[1, :5], mask[2, :11] = 0, 0  # rows of 14, 9 and 3 real tokens (W = 6)
+    ids = ids.masked_fill(mask == 0, 0)
+    ref = run(None, model, ids, attention_mask=mask, max_new_tokens=20)
+    out = run(hf.generate, model, ids, attention_mask=mask, max_new_tokens=20,
+              prefill_chunk_size=4)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_score_diff(out, ref) < F64
+
+
+def test_left_padded_imposed_window_rows_match_their_own_references():
+    model, W = tiny_llama(), 4
+    ids = prompt(10, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0
+    out = run(hf.generate, model, ids.masked_fill(mask == 0, 0), window=W,
+              attention_mask=mask, max_new_tokens=12)
+    scores = torch.stack(out.scores, dim=1)  # (B, new, vocab)
+    for b, start in ((0, 0), (1, 6)):
+        seq = out.sequences[b, start:]
+        ref = reference_logits(model, seq, W)
+        assert (scores[b] - ref[10 - start - 1:-1]).abs().max() < F64
+
+
+class Collect(BaseStreamer):
+    """A streamer that keeps what generate hands it, and can fail on demand."""
+
+    def __init__(self, cache=None, fail_at: int | None = None) -> None:
+        self.tokens, self.ended, self.cache, self.fail_at = [], False, cache, fail_at
+        self.ring_bytes: dict[int, int] = {}
+
+    def put(self, value):
+        self.tokens.append(value.reshape(-1).clone())
+        if self.cache is not None:
+            self.ring_bytes[int(self.cache.get_seq_length())] = ring_bytes(self.cache)
+        if self.fail_at is not None and len(self.tokens) == self.fail_at:
+            raise KeyboardInterrupt("stop")
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_sees_every_token():
+    model = tiny_mistral()
+    ids = prompt(12)
+    streamer = Collect()
+    out = hf.generate(model, ids, max_new_tokens=15, do_sample=False, streamer=streamer)
+    assert streamer.ended
+    assert torch.equal(torch.cat(streamer.tokens), out[0])  # the prompt first, then each token
+
+
+def test_chunked_prefill_bounds_attention_size(monkeypatch):
+    """A 60-token prompt in chunks of 7 through rings of 5: no attention over more than 12 keys."""
+    seen = []
+    real = attention.masked_attention
+
+    def spy(q, k, v, mask, *, scale=None):
+        seen.append((q.shape[2], k.shape[2]))
+        return real(q, k, v, mask, scale=scale)
+
+    monkeypatch.setattr(attention, "masked_attention", spy)
+    model = tiny_llama()
+    hf.generate(model, prompt(60), window=5, max_new_tokens=3, do_sample=False,
+                prefill_chunk_size=7)
+    assert max(q for q, _ in seen) == 7 and max(k for _, k in seen) == 5 + 7
+    assert seen[0] == (7, 7)  # the first chunk goes into an empty ring: its own keys only
+    assert {k for q, k in seen if q == 1} == {5}  # decode attends over the raw ring
+
+
+def test_masks_are_built_once_per_forward_per_layer_kind(monkeypatch):
+    calls = []
+    real = attention.ring_mask
+
+    def spy(**kwargs):
+        calls.append(kwargs.get("local_size"))
+        return real(**kwargs)
+
+    monkeypatch.setattr(attention, "ring_mask", spy)  # what register() hands to transformers
+    hf.generate(tiny_gemma(), prompt(9), max_new_tokens=5, do_sample=False)
+    assert sorted(calls, key=str) == [6] * 5 + [None] * 5  # 5 forwards x (sliding, full)
+
+
+# ------------------------------------------------------------------------- memory
+def test_ring_bytes_flat_from_20_to_2000_tokens():
+    model = tiny_gemma(torch.float32)
+    cache = hf.RingCache(model)
+    streamer = Collect(cache)
+    hf.generate(model, prompt(10), cache=cache, max_new_tokens=2000, do_sample=False,
+                streamer=streamer, min_new_tokens=2000)
+    assert cache.get_seq_length() == 10 + 2000 - 1  # the last token is never fed back
+    assert streamer.ring_bytes[20] == streamer.ring_bytes[2000 + 9] > 0
+    full = [layer for layer in cache.layers if isinstance(layer, hf.FullLayer)]
+    assert full[0].capacity == 10 + 2000  # reserved once by generate, never regrown
+
+
+def test_full_layer_grows_geometrically_without_a_reserve():
+    layer = hf.FullLayer()
+    k = torch.zeros(1, 1, 1, 2)
+    capacities = set()
+    for p in range(100):
+        keys, _ = layer.update(k + p, k, positions=torch.tensor([[p]]))
+        capacities.add(layer.capacity)
+    assert keys.shape[2] == 100 and keys[0, 0, :, 0].tolist() == list(range(100))
+    assert capacities == {1, 2, 4, 8, 16, 32, 64, 128}
+
+
+def test_nbytes_counts_every_layer():
+    model = tiny_gemma(torch.float32)
+    cache = hf.RingCache(model)
+    assert cache.nbytes == 0  # nothing allocated before the first forward
+    hf.generate(model, prompt(10), cache=cache, max_new_tokens=4, do_sample=False)
+    ring = cache.layers[0].ring
+    assert ring.window == 6 and cache.layers[2].ring.window == 6
+    full = cache.layers[1]
+    assert cache.nbytes == 2 * ring.nbytes + 2 * full._k_store.numel() * 4
+
+
+# ------------------------------------------------------------------------- errors
+def _state(model, cache):
+    return (model.config._attn_implementation, cache.get_seq_length(), cache.nbytes,
+            attention._ACTIVE.cache)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"num_beams": 2}, "beam_search"),
+    ({"prompt_lookup_num_tokens": 2}, "assisted"),
+    ({"past_key_values": object()}, "past_key_values"),
+    ({"position_ids": torch.arange(8)[None]}, "position_ids"),
+    ({"cache_implementation": "static"}, "cache_implementation"),
+    ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
+    ({"window": 3}, "differs"),
+])
+def test_rejected_calls_change_nothing(kwargs, match):
+    model = tiny_gemma(torch.float32)
+    cache = hf.RingCache(model)
+    before = _state(model, cache)
+    with pytest.raises(ValueError, match=match):
+        hf.generate(model, prompt(8), cache=cache, max_new_tokens=3, **kwargs)
+    assert _state(model, cache) == before
+
+
+def test_a_model_default_cache_implementation_gives_way_to_the_ring():
+    model = tiny_gemma()
+    ids = prompt(9)
+    ref = run(None, model, ids, max_new_tokens=10)
+    model.generation_config.cache_implementation = "static"  # hub Gemma 3 ships "hybrid"
+    out = run(hf.generate, model, ids, max_new_tokens=10)
+    assert torch.equal(out.sequences, ref.sequences) and max_score_diff(out, ref) < F64
+    assert isinstance(out.cache, hf.RingCache)
+    assert model.generation_config.cache_implementation == "static"  # left as it was
+
+
+def test_plain_generate_with_a_ring_cache_raises_naming_the_call():
+    model = tiny_gemma(torch.float32)
+    cache = hf.RingCache(model)
+    with pytest.raises(RuntimeError, match=r"ringviz\.hf\.generate"):
+        model.generate(prompt(8), cache=cache, max_new_tokens=3)
+    assert cache.get_seq_length() == 0 and cache.nbytes == 0  # refused before any write
+
+
+def test_used_cache_is_refused_and_switch_restored_on_error():
+    model = tiny_gemma(torch.float32)
+    cache = hf.RingCache(model)
+    with pytest.raises(KeyboardInterrupt):
+        hf.generate(model, prompt(8), cache=cache, max_new_tokens=9,
+                    streamer=Collect(fail_at=4))
+    assert model.config._attn_implementation == "sdpa" and attention._ACTIVE.cache is None
+    state = _state(model, cache)
+    with pytest.raises(ValueError, match="already holds tokens"):
+        hf.generate(model, prompt(8), cache=cache, max_new_tokens=3)
+    assert _state(model, cache) == state
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True, "8"])
+def test_bad_window_raises(window):
+    with pytest.raises(ValueError, match="window"):
+        hf.RingCache(tiny_llama(), window=window)
+
+
+def test_model_without_a_native_window_needs_one():
+    with pytest.raises(ValueError, match="pass window=W"):
+        hf.RingCache(tiny_llama())
+
+
+def test_unsupported_attention_features_are_named():
+    gemma = tiny_gemma(torch.float32)
+    gemma.config.attn_logit_softcapping = 50.0
+    with pytest.raises(ValueError, match="soft-capping"):
+        hf.RingCache(gemma)
+    llama = tiny_llama(torch.float32)
+    llama.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(6))
+    with pytest.raises(ValueError, match="sinks"):
+        hf.RingCache(llama, window=4)
+    llama = tiny_llama(torch.float32)
+    llama.config.alibi = True
+    with pytest.raises(ValueError, match="ALiBi"):
+        hf.RingCache(llama, window=4)
+
+
+def test_ring_cache_cannot_roll_back():
+    cache = hf.RingCache(tiny_llama(), window=4)
+    for op in (lambda: cache.crop(2), lambda: cache.reorder_cache(torch.tensor([0]))):
+        with pytest.raises(NotImplementedError, match="evicted"):
+            op()
+
+
+# ------------------------------------------------------------------------- torch.compile
+def test_decode_step_compiles_once_fullgraph_and_matches_eager():
+    """All-ring cache: one graph (fullgraph=True: a graph break would raise), no recompile."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model = tiny_mistral(torch.float32)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model.forward, fullgraph=True, backend=counter)
+    runs = {}
+    for name, forward in (("eager", model.forward), ("compiled", compiled)):
+        cache = hf.RingCache(model)
+        assert cache.is_compileable
+        logits = []
+        with torch.no_grad(), hf.ring_active(model, cache):
+            tok = model(input_ids=prompt(9), cache=cache).logits[:, -1:].argmax(-1)  # prefill
+            for _ in range(12):  # decode past two wraps of the ring of 5
+                out = forward(input_ids=tok, cache=cache).logits[:, -1:]
+                logits.append(out)
+                tok = out.argmax(-1)
+        runs[name] = torch.cat(logits, dim=1), cache.layers[0].ring.positions.clone()
+    assert counter.frame_count == 1  # compiled at the first decode step, reused by the other 11
+    torch.testing.assert_close(runs["compiled"][0], runs["eager"][0])
+    assert torch.equal(runs["compiled"][1], runs["eager"][1])
+    assert not hf.RingCache(tiny_gemma()).is_compileable  # its full layers grow
+
+
+# ------------------------------------------------------------------------- the real model
+@pytest.mark.slow
+def test_gemma3_270m_matches_hf_default_cache_past_its_window():
+    from ringviz.models.load import load_model
+    from ringviz.models.text import eval_tokens
+
+    model, tokenizer = load_model("gemma3")
+    ids = eval_tokens(tokenizer, 600)[None]  # longer than the window of 512
+    kwargs = {"max_new_tokens": 96, "min_new_tokens": 96}
+    ref = run(None, model, ids, **kwargs)
+    out = run(hf.generate, model, ids, **kwargs)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert max_score_diff(out, ref) < 1e-3
+    assert model.config.sliding_window == 512
