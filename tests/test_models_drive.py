@@ -273,3 +273,16 @@ def test_chunked_prefill_checks_the_whole_prompt_first(device):
     with pytest.raises(ValueError, match="strictly increase"):
         runner.prefill(ids[None], bad)
     assert runner_hash(runner) == before
+
+
+def test_window_imposed_on_a_model_whose_layers_are_all_full():
+    """Qwen2 without sliding lists every layer as full_attention: window= must still apply."""
+    config = transformers.Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_sliding_window=False)
+    assert set(config.layer_types) == {"full_attention"}
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    assert layer_windows(model, 4) == [4, 4]
+    with pytest.raises(ValueError, match="no native sliding window"):
+        layer_windows(model, None)

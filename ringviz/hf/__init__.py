@@ -34,8 +34,9 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
 from ringviz.hf.attention import ATTN_NAME, register, ring_active
-from ringviz.hf.cache import RingCache, check_model, layer_windows
+from ringviz.hf.cache import RingCache, check_model
 from ringviz.hf.layers import FullLayer, RingLayer
+from ringviz.models.drive import layer_windows
 
 PREFILL_CHUNK = 512  # default prefill chunk: a prompt is prefilled in chunks of this many tokens
 SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)

@@ -7,38 +7,7 @@ from transformers.cache_utils import Cache
 
 from ringviz.hf.layers import NOT_THROUGH_GENERATE, FullLayer, RingLayer
 from ringviz.masks import band_mask
-
-KINDS = {"full_attention": "full", "sliding_attention": "sliding"}
-
-
-def _layer_kinds(config) -> list[str]:
-    """Per layer, which mask transformers builds for it: ``"full"`` or ``"sliding"``."""
-    types = getattr(config, "layer_types", None)
-    if types is None:  # Mistral-style: one kind for all layers, set by config.sliding_window
-        kind = "sliding" if getattr(config, "sliding_window", None) is not None else "full"
-        return [kind] * config.num_hidden_layers
-    unknown = sorted(set(types) - KINDS.keys())
-    if unknown:
-        raise ValueError(f"layer types {unknown} are not supported by RingCache "
-                         f"(only {sorted(KINDS)})")
-    return [KINDS[t] for t in types]
-
-
-def layer_windows(config, window: int | None) -> list[int | None]:
-    """Per layer: its ring's window, or None for a full layer that keeps every token.
-
-    A model with sliding layers keeps its split (their window: ``window``, default its own); a
-    model with none (Llama, Qwen2 without sliding) gets ``window`` on every layer.
-    """
-    kinds = _layer_kinds(config)
-    native = "sliding" in kinds
-    if window is None:
-        if not native:
-            raise ValueError(f"{config.model_type} has no native sliding window: pass window=W")
-        window = config.sliding_window
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise ValueError(f"window must be a positive int, got {window!r}")
-    return [window if kind == "sliding" or not native else None for kind in kinds]
+from ringviz.models.drive import layer_kinds, layer_windows
 
 
 def check_model(model) -> None:
@@ -72,8 +41,8 @@ class RingCache(Cache):
 
     def __init__(self, model, *, window: int | None = None) -> None:
         check_model(model)
-        windows = layer_windows(model.config, window)  # ValueError on a bad window
-        kinds = _layer_kinds(model.config)
+        windows = layer_windows(model, window)  # ValueError on a bad window
+        kinds = layer_kinds(model.config)
         super().__init__(layers=[RingLayer(w) if w else FullLayer() for w in windows])
         self.config = model.config
         self.window = windows_of(windows)

@@ -59,11 +59,12 @@ class RingLayer(CacheLayerMixin):
         if T == 1:
             ring.write(key_states, value_states, positions, check=False)
             out = ring.k, ring.v
-        else:
+        elif self.fresh():  # an empty ring adds nothing but W masked keys: the chunk alone
             pad = (positions < 0)[:, None, :, None]  # 0 * NaN is NaN: zero padded keys
             out = key_states.masked_fill(pad, 0.0), value_states.masked_fill(pad, 0.0)
-            if not self.fresh():  # an empty ring adds nothing but W masked keys
-                out = torch.cat([ring.k, out[0]], dim=2), torch.cat([ring.v, out[1]], dim=2)
+            ring.write(key_states, value_states, positions, check=False)
+        else:  # [ring | chunk] as RingKVCache.step's chunks attend over it
+            out = ring.keys_with_chunk(key_states, value_states, positions)[:2]
             ring.write(key_states, value_states, positions, check=False)
         self.seen.add_(T)
         return out

@@ -90,22 +90,38 @@ def shares_one_config(model) -> bool:
         getattr(module, "config", config) is config for module in model.modules())
 
 
-def layer_windows(model, window: int | None) -> list[int | None]:
-    """Per layer: the ring capacity of a sliding layer, or None for a full-attention layer.
+LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}  # HF layer types
 
-    A model with ``layer_types`` (Gemma 3) keeps its own split, its sliding layers using
-    ``window`` (default: the model's ``sliding_window``). A model without (Llama/SmolLM2)
-    gets ``window`` imposed on every layer.
+
+def layer_kinds(config) -> list[str]:
+    """Per layer, which mask transformers builds for it: ``"full"`` or ``"sliding"``."""
+    types = getattr(config, "layer_types", None)
+    if types is None:  # Llama/Mistral-style: one kind for all layers, set by sliding_window
+        kind = "sliding" if getattr(config, "sliding_window", None) is not None else "full"
+        return [kind] * config.num_hidden_layers
+    unknown = sorted(set(types) - LAYER_KINDS.keys())
+    if unknown:
+        raise ValueError(f"layer types {unknown} are not supported (only {sorted(LAYER_KINDS)})")
+    return [LAYER_KINDS[t] for t in types]
+
+
+def layer_windows(model, window: int | None) -> list[int | None]:
+    """Per layer: the window of its ring, or None for a full layer that keeps every token.
+
+    A model with sliding layers (Gemma 3, Mistral) keeps its split, the sliding layers using
+    ``window`` (default: the model's own). A model with none (Llama/SmolLM2, Qwen2 without
+    sliding) gets ``window`` imposed on every layer; it must be given.
     """
     config = model.config
-    types = getattr(config, "layer_types", None) or ["sliding_attention"] * config.num_hidden_layers
+    kinds = layer_kinds(config)
+    native = "sliding" in kinds
     if window is None:
-        window = getattr(config, "sliding_window", None)
-        if window is None:
+        if not native:
             raise ValueError(f"{config.model_type} has no native sliding window: pass window=W")
+        window = config.sliding_window
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"window must be a positive int, got {window!r}")
-    return [window if t == "sliding_attention" else None for t in types]
+    return [window if kind == "sliding" or not native else None for kind in kinds]
 
 
 SINK_ROPES = (None, "cache")  # RingRunner's sink conventions: absolute, StreamingLLM's
