@@ -300,11 +300,13 @@ class RingKVCache:
                              f", got {q_positions.dtype} {tuple(q_positions.shape)}")
         q_positions = q_positions.to(torch.int64)
         mask = self._mask(q_positions, self.positions)  # (B, T, S + W)
-        return self._attention(q, q_positions, self.k, self.v, mask, scale)
+        return self.attend_keys(q, q_positions, self.k, self.v, mask, scale)
 
-    def _attention(self, q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tensor,
-                   values: torch.Tensor, mask: torch.Tensor, scale: float | None) -> torch.Tensor:
-        """Masked attention over ``keys`` whose first ``S`` are the sink slots."""
+    def attend_keys(self, q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, mask: torch.Tensor, scale: float | None
+                    ) -> torch.Tensor:
+        """Masked attention over ``keys`` whose first ``S`` are the sink slots, in this cache's
+        sink convention (the storage, or :meth:`keys_with_chunk`'s keys; ringviz.hf calls it)."""
         if self.sink_rope is None:
             return masked_attention(q, keys, values, mask, scale=scale)
         sink_keys = rotate_sinks(keys[:, :, :self.sinks], q_positions, self.window,
@@ -312,18 +314,17 @@ class RingKVCache:
         return sink_attention(q, keys, values, mask, sink_keys, scale=scale)
 
     def _sinks_with(self, k: torch.Tensor, v: torch.Tensor,
-                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The sink slots' keys, values ``(B, Hkv, S, D)`` and positions ``(B, S)`` as they will be
-        once this chunk's sink tokens (positions < S) are stored: a copy of S slots, so the
-        chunk's queries score every sink alike while nothing is written before attention."""
+                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sink slots' keys and values ``(B, Hkv, S, D)`` as they will be once this chunk's
+        sink tokens (positions < S) are stored: a copy of S slots, so the chunk's queries score
+        every sink alike while nothing is written before attention."""
         B, H, T, D = k.shape
         S = self.sinks
         slot = torch.where((positions >= 0) & (positions < S), positions, S)  # S: a scratch
         index = slot[:, None, :, None].expand(B, H, T, D)
         sink_k = self._k_store[:, :, :S + 1].clone().scatter_(2, index, k)[:, :, :S]
         sink_v = self._v_store[:, :, :S + 1].clone().scatter_(2, index, v)[:, :, :S]
-        sink_pos = self._pos_store[:, :S + 1].clone().scatter_(1, slot, positions)[:, :S]
-        return sink_k, sink_v, sink_pos
+        return sink_k, sink_v
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
              *, scale: float | None = None, check: bool = True) -> torch.Tensor:
@@ -342,7 +343,7 @@ class RingKVCache:
             mask = self._decode_mask(positions)  # (B, 1, S + C)
             if self.sink_rope is None:
                 return masked_attention(q, self.k, self.v, mask, scale=scale)
-            return self._attention(q, positions, self.k, self.v, mask, scale)
+            return self.attend_keys(q, positions, self.k, self.v, mask, scale)
         out = self.attend_chunk(q, k, v, positions, scale=scale)
         self.write(k, v, positions, check=False)
         return out
@@ -358,7 +359,7 @@ class RingKVCache:
         positions = positions.to(torch.int64)
         keys, values, key_pos = self.keys_with_chunk(k, v, positions)
         mask = self._mask(positions, key_pos)  # (B, T, S + C + T)
-        return self._attention(q, positions, keys, values, mask, check_scale(scale))
+        return self.attend_keys(q, positions, keys, values, mask, check_scale(scale))
 
     def keys_with_chunk(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -372,15 +373,13 @@ class RingKVCache:
         positions = positions.to(torch.int64)
         pad = (positions < 0)[:, None, :, None]  # (B, 1, T, 1)
         k_new, v_new = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
+        key_pos = chunk_key_positions(self.positions, positions, self.sinks)
         if not self.sinks:
-            return (torch.cat([self.k, k_new], dim=2), torch.cat([self.v, v_new], dim=2),
-                    torch.cat([self.positions, positions], dim=1))
-        sink_k, sink_v, sink_pos = self._sinks_with(k_new, v_new, positions)
+            return torch.cat([self.k, k_new], dim=2), torch.cat([self.v, v_new], dim=2), key_pos
+        sink_k, sink_v = self._sinks_with(k_new, v_new, positions)
         S = self.sinks
         return (torch.cat([sink_k, self.k[:, :, S:], k_new], dim=2),
-                torch.cat([sink_v, self.v[:, :, S:], v_new], dim=2),
-                torch.cat([sink_pos, self.positions[:, S:],
-                           positions.masked_fill(positions < S, -1)], dim=1))
+                torch.cat([sink_v, self.v[:, :, S:], v_new], dim=2), key_pos)
 
     # ------------------------------------------------------------------ taking tokens back
     def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:
@@ -431,6 +430,28 @@ class RingKVCache:
                 f"sinks={self.sinks}, "
                 f"sink_rope={getattr(self.sink_rope, '__name__', self.sink_rope)}, "
                 f"dtype={self.dtype}, device={self.device})")
+
+
+def chunk_key_positions(stored: torch.Tensor, positions: torch.Tensor, sinks: int
+                        ) -> torch.Tensor:
+    """Positions ``(B, S + C + T)`` of :meth:`RingKVCache.keys_with_chunk`'s keys.
+
+    ``stored`` ``(B, S + C)`` is what the slots hold, ``positions`` ``(B, T)`` the chunk's. With
+    sinks, the chunk's sink tokens take their sink columns and read -1 in the chunk part. A
+    function of positions alone, so a mask can be built before the ring's storage exists.
+
+    >>> chunk_key_positions(torch.full((1, 4), -1), torch.tensor([[0, 1, 2]]), sinks=1).tolist()
+    [[0, -1, -1, -1, -1, 1, 2]]
+    """
+    positions = positions.to(torch.int64)
+    if not sinks:
+        return torch.cat([stored, positions], dim=1)
+    B = stored.shape[0]
+    slot = torch.where((positions >= 0) & (positions < sinks), positions, sinks)  # sinks: scratch
+    scratch = torch.full((B, 1), -1, dtype=torch.int64, device=stored.device)
+    sink_pos = torch.cat([stored[:, :sinks], scratch], dim=1).scatter_(1, slot, positions)
+    return torch.cat([sink_pos[:, :sinks], stored[:, sinks:],
+                      positions.masked_fill(positions < sinks, -1)], dim=1)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,

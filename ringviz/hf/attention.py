@@ -17,7 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ringviz.cache import masked_attention
 from ringviz.hf.cache import RingCache
-from ringviz.hf.layers import NOT_THROUGH_GENERATE
+from ringviz.hf.layers import NOT_THROUGH_GENERATE, RingLayer
 from ringviz.models.drive import attention_implementation
 
 ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transformers' registries
@@ -74,13 +74,24 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
 def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor, scaling: float,
                    dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention hook: SDPA over the layer's cache keys with the ring's mask."""
+    """transformers' attention hook: SDPA over the layer's cache keys with the ring's mask.
+
+    A ring with StreamingLLM's sink convention (``sink_rope="cache"``) attends through the
+    core's own sink attention instead (:meth:`RingLayer.attention`), its sink columns turned per
+    query; every other layer, and every layer of a cache without it, through SDPA.
+    """
     if dropout:
         raise ValueError("RingCache attention has no dropout: generate in eval mode")
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
             raise ValueError(f"attention argument {name!r} (soft-capping / learned sinks) is "
                              f"not implemented by the ring attention path")
+    cache = _ACTIVE.cache
+    if cache is not None and cache.sink_rope is not None:
+        layer = cache.layers[module.layer_idx]
+        if isinstance(layer, RingLayer):
+            out = layer.attention(query, key, value, attention_mask[:, 0], scaling)
+            return out.transpose(1, 2), None
     out = masked_attention(query, key, value, attention_mask[:, 0], scale=scaling)
     return out.transpose(1, 2), None  # HF expects (B, T, Hq, D)
 

@@ -7,7 +7,8 @@ from transformers.cache_utils import Cache
 
 from ringviz.hf.layers import NOT_THROUGH_GENERATE, FullLayer, RingLayer
 from ringviz.masks import band_mask
-from ringviz.models.drive import layer_kinds, layer_windows
+from ringviz.models.drive import check_sinks, layer_kinds, layer_windows
+from ringviz.models.sinks import model_sink_rope
 
 
 def check_model(model) -> None:
@@ -37,15 +38,26 @@ class RingCache(Cache):
 
     ``window=None`` keeps a model's own sliding window on its sliding layers; ``window=W`` sets
     it, and on a model without one (Llama, SmolLM2) makes every layer a ring of ``W``.
+
+    ``sinks=S`` keeps each row's first ``S`` positions in every ring beside its window (attention
+    sinks; full-attention layers keep everything anyway). ``sink_rope=None`` scores them at their
+    absolute positions; ``sink_rope="cache"`` at StreamingLLM's positions inside the cache, the
+    sink keys turned by the model's own rotary embedding for sliding layers (Gemma 3: the local
+    base, not the global one). The same choices as :class:`ringviz.models.drive.RingRunner`.
     """
 
-    def __init__(self, model, *, window: int | None = None) -> None:
+    def __init__(self, model, *, window: int | None = None, sinks: int = 0,
+                 sink_rope: str | None = None) -> None:
+        sinks = check_sinks(sinks, sink_rope)
         check_model(model)
         windows = layer_windows(model, window)  # ValueError on a bad window
         kinds = layer_kinds(model.config)
-        super().__init__(layers=[RingLayer(w) if w else FullLayer() for w in windows])
+        rope = model_sink_rope(model, "sliding_attention") if sink_rope == "cache" else None
+        super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope) if w else FullLayer()
+                                 for w in windows])
         self.config = model.config
         self.window = windows_of(windows)
+        self.sinks, self.sink_rope = sinks, sink_rope
         self.kind_layer: dict[str, int] = {}  # kind -> first layer of that kind
         for i, (kind, w) in enumerate(zip(kinds, windows, strict=True)):
             first = self.kind_layer.setdefault(kind, i)
@@ -104,7 +116,8 @@ class RingCache(Cache):
         """Bool ``(B, 1, T, K)`` visibility of the keys the layers of ``kind`` will return."""
         layer = self.layers[self.kind_layer[kind]]
         if isinstance(layer, RingLayer):
-            return band_mask(q_positions, layer.key_positions(q_positions), layer.window)[:, None]
+            keys = layer.key_positions(q_positions)
+            return band_mask(q_positions, keys, layer.window, layer.sinks)[:, None]
         slots = torch.arange(layer.seen + q_positions.shape[1], device=q_positions.device)
         return ((slots <= q_positions[..., None]) & (q_positions[..., None] >= 0))[:, None]
 

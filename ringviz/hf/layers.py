@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ringviz.cache import RingKVCache
+from ringviz.cache import RingKVCache, Rope, chunk_key_positions
 
 NOT_THROUGH_GENERATE = (
     "a RingCache's masks must come from its stored positions, but this forward used Hugging "
@@ -20,23 +20,29 @@ NOT_THROUGH_GENERATE = (
 
 
 class RingLayer(CacheLayerMixin):
-    """A sliding layer: a :class:`RingKVCache` of ``window`` slots per row, made on first use."""
+    """A sliding layer: a :class:`RingKVCache` of ``window`` slots per row, made on first use.
+
+    ``sinks=S`` keeps each row's first ``S`` positions in ``S`` more slots (attention sinks);
+    ``sink_rope`` is the ring's convention for them (None: absolute positions; a rotation:
+    StreamingLLM's positions inside the cache, applied by :meth:`attention`).
+    """
 
     is_sliding = True
     is_compileable = True  # fixed shapes; the token count is a tensor, as in HF's StaticLayer
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, *, sinks: int = 0, sink_rope: Rope | None = None) -> None:
         super().__init__()
-        self.window = window
+        self.window, self.sinks, self.sink_rope = window, sinks, sink_rope
         self.ring: RingKVCache | None = None
+        self.q_positions: torch.Tensor | None = None  # the last update's positions (B, T)
         # tokens (columns, padding included) given so far: a 0-d tensor updated in place, so a
         # compiled decode step does not specialise (and recompile) on its value
         self.seen = torch.zeros((), dtype=torch.int64)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
-        self.ring = RingKVCache(B, H, self.window, D, dtype=key_states.dtype,
-                                device=key_states.device)
+        self.ring = RingKVCache(B, H, self.window, D, sinks=self.sinks, sink_rope=self.sink_rope,
+                                dtype=key_states.dtype, device=key_states.device)
         self.keys, self.values = self.ring.k, self.ring.v
         self.seen = self.seen.to(key_states.device)
         self.is_initialized = True
@@ -46,9 +52,10 @@ class RingLayer(CacheLayerMixin):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``T`` tokens; return the keys/values their queries attend over.
 
-        ``T == 1``: write the slot, return the ring itself (``window`` keys, slot order). ``T > 1``
-        (a prefill chunk, possibly longer than the window): return ``[ring | chunk]`` as it was
-        before the write (just the chunk into an empty ring), then write (a chunk's early
+        ``T == 1``: write the slot, return the ring itself (``S + window`` keys, slot order).
+        ``T > 1`` (a prefill chunk, possibly longer than the window): return
+        :meth:`RingKVCache.keys_with_chunk` (``[sinks | ring | chunk]``) as it was before the
+        write (just the chunk into an empty ring without sinks), then write (a chunk's early
         queries still need keys it overwrites).
         """
         if positions is None:
@@ -59,7 +66,7 @@ class RingLayer(CacheLayerMixin):
         if T == 1:
             ring.write(key_states, value_states, positions, check=False)
             out = ring.k, ring.v
-        elif self.fresh():  # an empty ring adds nothing but W masked keys: the chunk alone
+        elif not self.sinks and self.fresh():  # an empty ring adds W masked keys: chunk alone
             pad = (positions < 0)[:, None, :, None]  # 0 * NaN is NaN: zero padded keys
             out = key_states.masked_fill(pad, 0.0), value_states.masked_fill(pad, 0.0)
             ring.write(key_states, value_states, positions, check=False)
@@ -67,7 +74,17 @@ class RingLayer(CacheLayerMixin):
             out = ring.keys_with_chunk(key_states, value_states, positions)[:2]
             ring.write(key_states, value_states, positions, check=False)
         self.seen.add_(T)
+        self.q_positions = positions
         return out
+
+    def attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of the last update's queries over the keys it returned (sink convention).
+
+        The core's own :meth:`RingKVCache.attend_keys`: with ``sink_rope``, each query scores
+        the ``S`` sink columns turned by ``p - min(p, S + W - 1)``.
+        """
+        return self.ring.attend_keys(query, self.q_positions, keys, values, mask, scale)
 
     def fresh(self) -> bool:
         """True before the first token (a host sync: asked only for prefill chunks)."""
@@ -75,25 +92,29 @@ class RingLayer(CacheLayerMixin):
 
     def key_positions(self, q_positions: torch.Tensor) -> torch.Tensor:
         """``(B, K)`` position of each key :meth:`update` will return for these queries."""
-        if q_positions.shape[1] > 1:  # a chunk: [ring | chunk], or the chunk alone at first
-            if self.fresh():
-                return q_positions
-            return torch.cat([self.ring.positions, q_positions], dim=1)
+        S, n = self.sinks, self.sinks + self.window
+        chunk = q_positions.shape[1] > 1
+        if chunk and not S and self.fresh():  # the chunk alone, into an empty ring
+            return q_positions
         before = self.ring.positions if self.ring is not None else torch.full(
-            (q_positions.shape[0], self.window), -1, dtype=torch.int64, device=q_positions.device)
-        slots = torch.arange(self.window, device=before.device)
-        return torch.where(slots == q_positions % self.window, q_positions, before)
+            (q_positions.shape[0], n), -1, dtype=torch.int64, device=q_positions.device)
+        if chunk:  # [sinks | ring | chunk], as RingKVCache.keys_with_chunk returns them
+            return chunk_key_positions(before, q_positions, S)
+        q = q_positions  # (B, 1): its slot now holds it, as RingKVCache.write puts it
+        home = torch.where(q < S, q, S + q % self.window) if S else q % self.window
+        return torch.where(torch.arange(n, device=before.device) == home, q, before)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if query_length == 1:
-            return self.window, 0
-        return (0 if self.fresh() else self.window) + query_length, 0
+            return self.sinks + self.window, 0
+        fresh = not self.sinks and self.fresh()
+        return (0 if fresh else self.sinks + self.window) + query_length, 0
 
     def get_seq_length(self) -> torch.Tensor:
         return self.seen
 
     def get_max_length(self) -> int:
-        return self.window
+        return self.sinks + self.window
 
     @property
     def nbytes(self) -> int:

@@ -127,6 +127,20 @@ def layer_windows(model, window: int | None) -> list[int | None]:
 SINK_ROPES = (None, "cache")  # RingRunner's sink conventions: absolute, StreamingLLM's
 
 
+def check_sinks(sinks: object, sink_rope: object) -> int:
+    """Return ``sinks`` as an int if ``(sinks, sink_rope)`` is a valid choice; raise otherwise.
+
+    What :class:`RingRunner` and ``ringviz.hf.RingCache`` accept: ``sinks`` an int >= 0 and
+    ``sink_rope`` one of :data:`SINK_ROPES`, ``"cache"`` only with ``sinks >= 1``.
+    """
+    sinks = check_int("sinks", sinks, minimum=0)
+    if sink_rope not in SINK_ROPES:
+        raise ValueError(f"sink_rope must be one of {SINK_ROPES}, got {sink_rope!r}")
+    if sink_rope is not None and sinks == 0:
+        raise ValueError(f"sink_rope={sink_rope!r} turns sink keys: it needs sinks >= 1")
+    return sinks
+
+
 class RingRunner:
     """One model's KV state in ``RingKVCache`` objects, one per layer, for a batch of rows.
 
@@ -141,11 +155,7 @@ class RingRunner:
                  sinks: int = 0, sink_rope: str | None = None) -> None:
         """``capacity``: positions the run may reach, 0 .. capacity-1 (sizes the full layers)."""
         self.capacity = check_int("capacity", capacity)
-        self.sinks = check_int("sinks", sinks, minimum=0)
-        if sink_rope not in SINK_ROPES:
-            raise ValueError(f"sink_rope must be one of {SINK_ROPES}, got {sink_rope!r}")
-        if sink_rope is not None and sinks == 0:
-            raise ValueError(f"sink_rope={sink_rope!r} turns sink keys: it needs sinks >= 1")
+        self.sinks = check_sinks(sinks, sink_rope)
         self.sink_rope = sink_rope
         _register()
         with attention_implementation(model, ATTN_NAME):  # validates the name once
