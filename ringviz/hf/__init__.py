@@ -20,6 +20,12 @@ raises an error that names :func:`generate`; it is never silently wrong.
 Modules: ``layers`` (``RingLayer``, ``FullLayer``), ``cache`` (``RingCache``), ``attention``
 (the mask and attention hooks, ``ring_active``); :func:`generate` lives here.
 
+Attention sinks: ``RingCache(model, sinks=S, sink_rope=None | "cache")`` (and the same arguments
+of :func:`generate`) keep each row's first ``S`` tokens in every ring, as
+:class:`ringviz.models.drive.RingRunner` does: the sliding masks add the sink rule, and with
+``"cache"`` (StreamingLLM's positions inside the cache) the attention function scores the sink
+keys turned by ``p - min(p, S + W - 1)``, the core's own sink attention. Full layers unchanged.
+
 Positions: a row's token at absolute position ``p`` is the ``p``-th real token of that row
 (``attention_mask.cumsum(-1) - 1``, what ``generate`` feeds RoPE); padding is ``-1`` and never
 takes a slot.
