@@ -204,3 +204,28 @@ def test_decode_step_with_sinks_compiles_once_fullgraph(sink_rope):
         runs[name] = torch.cat(logits, dim=1)
     assert counter.frame_count == 1
     torch.testing.assert_close(runs["compiled"], runs["eager"])
+
+
+# ------------------------------------------------------------------------- the real model
+@pytest.mark.slow
+@pytest.mark.parametrize("sink_rope", [None, "cache"])
+def test_gemma3_270m_with_sinks_equals_ring_runner_past_its_window(sink_rope):
+    """Gemma 3 270M (float32, local RoPE base for the sinks): a 600-token prompt, 64 new."""
+    from ringviz.models.load import load_model
+    from ringviz.models.text import eval_tokens
+
+    model, tokenizer = load_model("gemma3")
+    ids = eval_tokens(tokenizer, 600)[None]  # longer than the window of 512
+    new = 64
+    seen = []
+    hook = model.register_forward_hook(lambda m, args, out: seen.append(out.logits[:, -1]))
+    try:
+        out = run(hf.generate, model, ids, sinks=4, sink_rope=sink_rope, max_new_tokens=new,
+                  min_new_tokens=new)
+    finally:
+        hook.remove()
+    seq = out.sequences[0]
+    runner = RingRunner(model, 1, None, len(seq), sinks=4, sink_rope=sink_rope)
+    ref = ring_logits(runner, [seq], [ids.shape[1]])[0][ids.shape[1] - 1:-1]
+    assert (torch.stack(seen[-new:], dim=1)[0] - ref).abs().max() < 1e-3
+    assert torch.equal(seq[ids.shape[1]:], ref.argmax(-1))
