@@ -213,17 +213,19 @@ def _mask(ax: Axes, f: Frame, row: int = 0, *, fontsize: float = 9,
         ax.text(j + 0.5, 0.15, str(k), ha="center", va="bottom", fontsize=fontsize,
                 color=EVICT_COLOR if never else "black", fontweight="bold" if never else None)
         if never:
-            ax.plot([j + 0.15, j + 0.85], [0.45, 0.45], color=EVICT_COLOR, linewidth=1.2)
+            ax.plot([j + 0.15, j + 0.85], [0.45, 0.45], color=EVICT_COLOR, linewidth=1.2,
+                    linestyle="-", marker="")
     n_ring = sum(k not in chunk for k in keys)
     if groups and len(queries) > 1:
         for a, b, name in ((0, n_ring, "ring"), (n_ring, len(keys), "chunk")):
             if b > a:
-                ax.plot([a + 0.1, a + 0.1, b - 0.1, b - 0.1], [0.95, 1.1, 1.1, 0.95],
-                        color=EDGE_COLOR, linewidth=1)
-                ax.text((a + b) / 2, 1.2, name, ha="center", va="bottom", fontsize=fontsize,
+                # explicit style: the book's line cycle would add markers and dashes
+                ax.plot([a + 0.1, a + 0.1, b - 0.1, b - 0.1], [1.05, 1.2, 1.2, 1.05],
+                        color=EDGE_COLOR, linewidth=1, linestyle="-", marker="")
+                ax.text((a + b) / 2, 1.3, name, ha="center", va="bottom", fontsize=fontsize,
                         color=EDGE_COLOR)
     ax.set_xlim(-1.4, max(len(keys), 4) + 0.2)
-    ax.set_ylim(-max(len(queries), 1) - 0.2, 2.0)
+    ax.set_ylim(-max(len(queries), 1) - 0.2, 2.2)
     ax.set_aspect("equal")
     ax.axis("off")
 
@@ -269,20 +271,19 @@ def draw_padded_batch(positions: np.ndarray, ring_positions: np.ndarray, window:
         raise ValueError(f"positions must be (B, T) and ring_positions (B, {window}), got "
                          f"{pos.shape} and {ring.shape}")
     B, T = pos.shape
-    ax = _axes(ax, (BOOK_WIDTH, 0.9 + 0.62 * B))
+    step = 1.7  # row pitch: a row of cells plus its line of slot labels
+    ax = _axes(ax, (BOOK_WIDTH, 1.3 + 0.8 * B))
     gap = T + 2.2
     for b in range(B):
-        y = -b * 1.25
+        y = -b * step
         held = {int(p): s for s, p in enumerate(ring[b].tolist()) if p >= 0}
         for t, p in enumerate(pos[b].tolist()):
             pad = p < 0
             ax.add_patch(Rectangle((t + 0.04, y), 0.92, 0.8, hatch="//" if pad else None,
                                    facecolor=STATE_COLORS["empty" if pad else "visible"],
                                    edgecolor=EDGE_COLOR, linewidth=0.8))
-            ax.text(t + 0.5, y + 0.4, "pad" if pad else str(p), ha="center", va="center",
-                    fontsize=8 if pad else 10, color=EDGE_COLOR if pad else "black",
-                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5} if pad else None)
             if not pad:
+                ax.text(t + 0.5, y + 0.4, str(p), ha="center", va="center", fontsize=10)
                 ax.text(t + 0.5, y - 0.12, f"s{held[p]}" if p in held else "-",
                         ha="center", va="top", fontsize=8, color=EDGE_COLOR)
         for s, p in enumerate(ring[b].tolist()):
@@ -292,15 +293,16 @@ def draw_padded_batch(positions: np.ndarray, ring_positions: np.ndarray, window:
             ax.text(gap + s + 0.5, y + 0.4, "" if p < 0 else str(p), ha="center", va="center",
                     fontsize=10)
         ax.text(-0.2, y + 0.4, f"row {b}", ha="right", va="center", fontsize=9)
+    ax.text(gap - 0.15, 0.95, "slot", ha="right", va="bottom", fontsize=8, color=EDGE_COLOR)
     for s in range(window):
-        ax.text(gap + s + 0.5, 0.95, f"slot {s}" if s == 0 else str(s), ha="center",
-                va="bottom", fontsize=7, color=EDGE_COLOR)
-    ax.text(0, 1.35, f"positions passed, (B, T) = ({B}, {T});\nsN under a token: kept in "
-            "slot N, -: not kept", ha="left", va="bottom", fontsize=9)
-    ax.text(gap, 1.35, f"rings after the step,\nW={window}", ha="left", va="bottom",
+        ax.text(gap + s + 0.5, 0.95, str(s), ha="center", va="bottom", fontsize=8,
+                color=EDGE_COLOR)
+    ax.text(0, 1.45, f"positions passed, (B, T) = ({B}, {T})\nhatched: padding (-1)\n"
+            "sN: kept in slot N, -: not kept", ha="left", va="bottom", fontsize=9)
+    ax.text(gap, 1.45, f"rings after the step,\nW={window}", ha="left", va="bottom",
             fontsize=9)
     ax.set_xlim(-1.3, gap + window + 0.3)
-    ax.set_ylim(-(B - 1) * 1.25 - 0.6, 2.4)
+    ax.set_ylim(-(B - 1) * step - 0.7, 3.1)
     ax.set_aspect("equal")
     ax.axis("off")
     return ax
