@@ -264,7 +264,7 @@ def _start_sum(newest: int, after: list[int], start: int, window: int, sinks: in
             return ""
         full = newest - window + 1 >= sinks
         formula = (f"{sinks} + ({newest} + 1) % {window}" if full
-                   else f"{sinks} + {sinks} % {window} (ring not full)")
+                   else f"{sinks} + {sinks} % {window}")
         expected = sinks + ((newest + 1) % window if full else sinks % window)
         name = "ring start"
     else:
@@ -274,7 +274,9 @@ def _start_sum(newest: int, after: list[int], start: int, window: int, sinks: in
         name = "start"
     if expected != start:
         raise RuntimeError(f"the cache's {name} is slot {start}, not {formula}")
-    return f"{name} = {formula} = {start}" if full else f"{name} = {formula}"
+    if not (full or sinks):
+        return f"{name} = {formula}"
+    return f"{name} = {formula} = {start}" + ("" if full else " (ring not full)")
 
 
 def _row_arithmetic(queries: list[int], evicted: list[int], after: list[int], start: int,

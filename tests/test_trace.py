@@ -280,7 +280,7 @@ def test_sink_arithmetic_and_captions():
     trace = trace_scenario(Scenario(window=4, prompt=1, decode_steps=9, sinks=2))
     assert [f.arithmetic for f in trace.frames[1:4]] == [
         "pos 0 -> sink slot 0", "pos 1 -> sink slot 1",
-        "pos 2 -> slot 2 + 2 % 4 = 4; ring start = 2 + 2 % 4 (ring not full)"]
+        "pos 2 -> slot 2 + 2 % 4 = 4; ring start = 2 + 2 % 4 = 4 (ring not full)"]
     assert trace.frames[2].caption == "token 1 written to slot 1; the ring is still empty"
     assert trace.frames[-1].arithmetic == (
         "pos 9 -> slot 2 + 9 % 4 = 3; evicts 5 = 9 - 4; ring start = 2 + (9 + 1) % 4 = 4")
