@@ -15,7 +15,16 @@ never re-derived from ``pos % window``. Frames hold only lists, ints, floats, st
 >>> t.frames[-1].arithmetic
 'pos 5 -> slot 5 % 4 = 1; evicts 1 = 5 - 4; start = (5 + 1) % 4 = 2'
 
-Taught in chapters 3 (ring indexing), 5 (masks) and 6 (prefill).
+A scenario with ``sinks=S`` runs ``RingKVCache(..., sinks=S)``: frames then hold ``S + W`` slots,
+``[S sink slots | W ring slots]``, the sink slots in their own state ``"sink"``:
+
+>>> t = trace_scenario(Scenario(window=4, prompt=9, decode_steps=1, sinks=2))
+>>> t.frames[-1].positions, t.frames[-1].slot_state[0][:3]
+([[0, 1, 8, 9, 6, 7]], ['sink', 'sink', 'visible'])
+>>> t.frames[-1].arithmetic
+'pos 9 -> slot 2 + 9 % 4 = 3; evicts 5 = 9 - 4; ring start = 2 + (9 + 1) % 4 = 4'
+
+Taught in chapters 3 (ring indexing), 5 (masks), 6 (prefill) and 8 (sinks).
 """
 
 from __future__ import annotations
@@ -35,12 +44,12 @@ from ringviz.ring import RingKV
 from ringviz.rope import rope_angles
 
 MAX_TOKENS = 256  # traces are for pictures; longer runs belong in benchmarks
-SLOT_STATES = ("visible", "stale", "future", "empty")
+SLOT_STATES = ("visible", "stale", "future", "empty", "sink")
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """What to run through the batched ring: window, prompt(s), chunking, decode steps."""
+    """What to run through the batched ring: window, prompt(s), chunking, decode steps, sinks."""
 
     window: int = 8  # slots per ring (W)
     prompt: int = 12  # prompt tokens (one row); ignored when batch_lengths is given
@@ -50,6 +59,7 @@ class Scenario:
     head_dim: int = 8  # for the RoPE angles recorded per slot
     theta: float = 10000.0  # RoPE base
     rope_pair: int = 0  # which (even, odd) dimension pair's angle to record
+    sinks: int = 0  # attention-sink slots before the ring (S); 0 = a plain ring
 
     def __post_init__(self) -> None:
         if self.batch_lengths is not None:
@@ -61,6 +71,7 @@ class Scenario:
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even, got {self.head_dim}")
         check_int("rope_pair", self.rope_pair, 0)
+        check_int("sinks", self.sinks, 0)
         if self.rope_pair >= self.head_dim // 2:
             raise ValueError(f"rope_pair must be < head_dim // 2 = {self.head_dim // 2}, "
                              f"got {self.rope_pair}")
@@ -76,8 +87,12 @@ class Scenario:
                              f"{max(self.lengths)} + {self.decode_steps} decode steps")
 
     def to_dict(self) -> dict:
-        """Plain JSON types (lists, not tuples), as stored in a trace."""
-        return json.loads(json.dumps(dataclasses.asdict(self)))
+        """Plain JSON types (lists, not tuples), as stored in a trace; ``sinks`` only if set, so a
+        trace without sinks reads exactly as before sinks existed."""
+        data = json.loads(json.dumps(dataclasses.asdict(self)))
+        if not self.sinks:
+            del data["sinks"]
+        return data
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -91,8 +106,9 @@ class Frame:
 
     kind: str  # "empty" | "prefill" | "chunk" | "decode" | "push" | "shift"
     caption: str  # what happened, in words
-    positions: list[list[int]]  # (rows, window): absolute pos in each slot, -1 = empty
-    start: list[int]  # (rows,): slot of the oldest visible entry (shift: always 0)
+    positions: list[list[int]]  # (rows, S + window): absolute pos in each slot, -1 = empty
+    start: list[int]  # (rows,): slot of the oldest visible entry (shift: always 0; with sinks:
+    # the oldest entry of the ring part, read from the stored positions; 0 while that is empty)
     written: list[list[int]]  # per row: slots whose content changed this step
     evicted: list[list[int]]  # per row: positions that left the cache this step
     moved: list[int]  # per row: surviving entries that changed slot (0 for a ring)
@@ -143,12 +159,20 @@ def _named(noun: str, values: list[int]) -> str:
     return f"{noun} {values[0]}" if len(values) == 1 else f"{noun}s {spans(values)}"
 
 
-def slot_states(query_pos: int, positions: np.ndarray, window: int) -> list[str]:
-    """Classify each slot for one query: visible (the real decode mask), else stale/future/empty."""
+def slot_states(query_pos: int, positions: np.ndarray, window: int, sinks: int = 0) -> list[str]:
+    """Classify each slot for one query: visible (the real mask), else stale/future/empty.
+
+    With ``sinks=S`` the first ``S`` slots are sink slots: ``"sink"`` once they hold a position
+    the query sees (by the real sink-and-window mask), ``"empty"`` before.
+    """
     positions = np.asarray(positions)
-    seen = decode_mask(query_pos, positions, window)
-    return ["visible" if s else "empty" if p < 0 else "future" if p > query_pos else "stale"
-            for s, p in zip(seen.tolist(), positions.tolist(), strict=True)]
+    if sinks:
+        seen = band_mask(np.array([query_pos]), positions, window, sinks)[0]
+    else:
+        seen = decode_mask(query_pos, positions, window)
+    return [("sink" if slot < sinks else "visible") if s else "empty" if p < 0
+            else "future" if p > query_pos else "stale"
+            for slot, (s, p) in enumerate(zip(seen.tolist(), positions.tolist(), strict=True))]
 
 
 def _rope(positions: np.ndarray, scenario: Scenario) -> tuple[list, list]:
@@ -180,7 +204,7 @@ def _diff(before: np.ndarray, after: np.ndarray) -> tuple[list[list[int]], list[
 
 
 def _row_caption(queries: list[int], evicted: list[int],
-                 after: list[int], start: int, window: int) -> str:
+                 after: list[int], start: int, window: int, sinks: int = 0) -> str:
     """One row's step in words: what was written where, what left, where the start is now."""
     if not queries:
         return "padding only, nothing written"
@@ -195,33 +219,73 @@ def _row_caption(queries: list[int], evicted: list[int],
         text += f", evicting {_named('token', evicted)}"
     if dropped:
         text += f"; {_named('token', dropped)} never stored"
-    return f"{text}; start -> slot {start}"
+    if sinks and max(after[sinks:]) < 0:
+        return f"{text}; the ring is still empty"
+    return f"{text}; {'ring start' if sinks else 'start'} -> slot {start}"
 
 
 def _caption(queries: list[list[int]], evicted: list[list[int]],
-             after: np.ndarray, start: list[int], window: int) -> str:
-    parts = [_row_caption(q, e, a, s, window)
+             after: np.ndarray, start: list[int], window: int, sinks: int = 0) -> str:
+    parts = [_row_caption(q, e, a, s, window, sinks)
              for q, e, a, s in zip(queries, evicted, after.tolist(), start, strict=True)]
     if len(parts) == 1:
         return parts[0]
     return "; ".join(f"row {b}: {text}" for b, text in enumerate(parts))
 
 
-def _slot_sum(pos: int, slot: int, window: int) -> str:
-    """``pos 10 -> slot 10 % 4 = 2``, after checking that the cache really used that slot."""
+def _slot_sum(pos: int, slot: int, window: int, sinks: int = 0) -> str:
+    """``pos 10 -> slot 10 % 4 = 2``, after checking that the cache really used that slot.
+
+    With sinks: ``pos 1 -> sink slot 1`` below ``sinks``, ``pos 9 -> slot 2 + 9 % 4 = 3`` after.
+    """
+    if sinks:
+        expected = pos if pos < sinks else sinks + pos % window
+        text = (f"sink slot {pos}" if pos < sinks else f"slot {sinks} + {pos} % {window}")
+        if expected != slot:
+            raise RuntimeError(f"the cache stored position {pos} in slot {slot}, not {text}")
+        return f"pos {pos} -> {text}" + ("" if pos < sinks else f" = {slot}")
     if pos % window != slot:
         raise RuntimeError(f"the cache stored position {pos} in slot {slot}, not "
                            f"{pos} % {window} = {pos % window}")
     return f"pos {pos} -> slot {pos} % {window} = {slot}"
 
 
+def _ring_start(after: list[int], sinks: int) -> int:
+    """With sinks: the slot of the oldest entry in the ring part of a row (0 while it is empty)."""
+    ring = [(p, sinks + s) for s, p in enumerate(after[sinks:]) if p >= 0]
+    return min(ring)[1] if ring else 0
+
+
+def _start_sum(newest: int, after: list[int], start: int, window: int, sinks: int) -> str:
+    """``start = (10 + 1) % 4 = 3``, or with sinks ``ring start = 2 + (9 + 1) % 4 = 4``, after
+    checking it against the start read from the cache."""
+    if sinks:
+        if newest < sinks:
+            return ""
+        full = newest - window + 1 >= sinks
+        formula = (f"{sinks} + ({newest} + 1) % {window}" if full
+                   else f"{sinks} + {sinks} % {window}")
+        expected = sinks + ((newest + 1) % window if full else sinks % window)
+        name = "ring start"
+    else:
+        full = min(after) >= 0
+        formula = f"({newest} + 1) % {window}" if full else "0 (ring not full)"
+        expected = (newest + 1) % window if full else 0
+        name = "start"
+    if expected != start:
+        raise RuntimeError(f"the cache's {name} is slot {start}, not {formula}")
+    if not (full or sinks):
+        return f"{name} = {formula}"
+    return f"{name} = {formula} = {start}" + ("" if full else " (ring not full)")
+
+
 def _row_arithmetic(queries: list[int], evicted: list[int], after: list[int], start: int,
-                    window: int, with_start: bool) -> str:
+                    window: int, with_start: bool, sinks: int = 0) -> str:
     """One row's index arithmetic: the slot of each stored token, evictions, the start pointer."""
     kept = [p for p in queries if p in after]
     if not kept:
         return "nothing stored" if queries else ""
-    sums = [_slot_sum(p, after.index(p), window) for p in kept]
+    sums = [_slot_sum(p, after.index(p), window, sinks) for p in kept]
     parts = [sums[0] if len(sums) == 1 else ", ".join(sums) if len(sums) == 2
              else f"{sums[0]} ... {sums[-1]}"]
     newest = max(kept)
@@ -231,19 +295,14 @@ def _row_arithmetic(queries: list[int], evicted: list[int], after: list[int], st
         parts.append(f"evicts {spans(evicted)} (older than {newest} - {window} + 1 = "
                      f"{newest - window + 1})")
     if with_start:
-        full = min(after) >= 0
-        formula = f"({newest} + 1) % {window}" if full else "0 (ring not full)"
-        expected = (newest + 1) % window if full else 0
-        if expected != start:
-            raise RuntimeError(f"the cache's start is slot {start}, not {formula}")
-        parts.append(f"start = {formula} = {start}" if full else f"start = {formula}")
-    return "; ".join(parts)
+        parts.append(_start_sum(newest, after, start, window, sinks))
+    return "; ".join(p for p in parts if p)
 
 
 def _arithmetic(queries: list[list[int]], evicted: list[list[int]], after: np.ndarray,
-                start: list[int], window: int) -> str:
+                start: list[int], window: int, sinks: int = 0) -> str:
     rows = after.tolist()
-    parts = [_row_arithmetic(q, e, a, s, window, with_start=len(rows) == 1)
+    parts = [_row_arithmetic(q, e, a, s, window, with_start=len(rows) == 1, sinks=sinks)
              for q, e, a, s in zip(queries, evicted, rows, start, strict=True)]
     if len(parts) == 1:
         return parts[0]
@@ -253,16 +312,18 @@ def _arithmetic(queries: list[list[int]], evicted: list[list[int]], after: np.nd
 def _ring_frame(kind: str, scenario: Scenario, before: np.ndarray, after: np.ndarray,
                 start: list[int], queries: list[list[int]], attended: np.ndarray) -> Frame:
     """A frame of a ring trace; ``attended`` is what the step's queries saw (ring + chunk)."""
-    window = scenario.window
+    window, sinks = scenario.window, scenario.sinks
     written, evicted, moved = _diff(before, after)
     keys = [sorted(set(row) - {-1}) for row in attended.tolist()]
-    band = [band_mask(np.array(q, dtype=np.int64), np.array(k, dtype=np.int64), window).tolist()
+    band = [band_mask(np.array(q, dtype=np.int64), np.array(k, dtype=np.int64), window,
+                      sinks).tolist()
             for q, k in zip(queries, keys, strict=True)]
-    states = [slot_states(max(row), np.array(row), window) for row in after.tolist()]
+    states = [slot_states(max(row), np.array(row), window, sinks) for row in after.tolist()]
     rope_abs, rope_slot = _rope(after, scenario)
     caption = ("empty cache: every slot is free" if kind == "empty"
-               else _caption(queries, evicted, after, start, window))
-    arithmetic = "" if kind == "empty" else _arithmetic(queries, evicted, after, start, window)
+               else _caption(queries, evicted, after, start, window, sinks))
+    arithmetic = ("" if kind == "empty"
+                  else _arithmetic(queries, evicted, after, start, window, sinks))
     return Frame(kind=kind, caption=caption, positions=after.tolist(), start=start,
                  written=written, evicted=evicted, moved=moved, queries=queries, keys=keys,
                  band=band, slot_state=states, rope_abs=rope_abs, rope_slot=rope_slot,
@@ -285,14 +346,21 @@ def _steps(scenario: Scenario) -> list[tuple[str, np.ndarray]]:
 
 
 def trace_scenario(scenario: Scenario, *, device: torch.device | str | None = None) -> Trace:
-    """Run ``scenario`` through a real :class:`RingKVCache` and record every state."""
+    """Run ``scenario`` through a real :class:`RingKVCache` (with its ``sinks``) and record every
+    state."""
     if not isinstance(scenario, Scenario):
         raise TypeError(f"scenario must be a Scenario, got {type(scenario).__name__}")
     rows, window, dim = len(scenario.lengths), scenario.window, scenario.head_dim
-    cache = RingKVCache(rows, 1, window, dim, device=device)
+    cache = RingKVCache(rows, 1, window, dim, sinks=scenario.sinks, device=device)
     gen = torch.Generator(device=cache.device).manual_seed(123)
     empty = cache.positions.cpu().numpy()
-    frames = [_ring_frame("empty", scenario, empty, empty, cache.start.tolist(),
+
+    def start() -> list[int]:
+        if not scenario.sinks:
+            return cache.start.tolist()
+        return [_ring_start(row, scenario.sinks) for row in cache.positions.tolist()]
+
+    frames = [_ring_frame("empty", scenario, empty, empty, start(),
                           [[] for _ in range(rows)], empty)]
     for kind, pos in _steps(scenario):
         T = pos.shape[1]
@@ -304,8 +372,7 @@ def trace_scenario(scenario: Scenario, *, device: torch.device | str | None = No
         # decode writes first and attends over the ring; a chunk attends over [ring | chunk]
         attended = after if T == 1 else np.concatenate([before, pos], axis=1)
         queries = [[p for p in row if p >= 0] for row in pos.tolist()]
-        frames.append(_ring_frame(kind, scenario, before, after, cache.start.tolist(),
-                                  queries, attended))
+        frames.append(_ring_frame(kind, scenario, before, after, start(), queries, attended))
     return Trace(layout="ring", window=window, rows=rows, scenario=scenario.to_dict(),
                  frames=frames)
 

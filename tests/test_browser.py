@@ -60,7 +60,7 @@ def browser():
 
 @pytest.fixture(scope="module")
 def book(tmp_path_factory) -> pathlib.Path:
-    """A one-notebook Jupyter Book with two steppers, built with the repo's _config.yml."""
+    """A one-notebook Jupyter Book with three steppers, built with the repo's _config.yml."""
     src = tmp_path_factory.mktemp("book")
     config = yaml.safe_load((ROOT / "_config.yml").read_text())
     extensions = config["sphinx"].setdefault("extra_extensions", [])
@@ -81,6 +81,8 @@ def book(tmp_path_factory) -> pathlib.Path:
                                   "decode_steps=3, vary={'window': (3, 4, 5)})"),
         nbformat.v4.new_code_cell("viz.RingStepper.from_scenario(window=4, prompt=5, chunk=2, "
                                   "decode_steps=1, batch_lengths=(5, 2))"),
+        nbformat.v4.new_code_cell("viz.RingStepper.from_scenario(window=4, prompt=3, "
+                                  "decode_steps=4, sinks=2, vary={'sinks': (0, 2)})"),
     ]
     nbformat.write(nb, src / "stepper.ipynb")
     out = subprocess.run([str(pathlib.Path(sys.executable).with_name("jupyter-book")), "build",
@@ -160,7 +162,7 @@ def test_page_is_offline_and_error_free(page):
 
 
 def test_each_stepper_draws_once(page):
-    assert page.locator(".ringviz-stepper").count() == 2
+    assert page.locator(".ringviz-stepper").count() == 3
 
 
 def test_next_prev_and_keys_change_the_drawing(page, tmp_path):
@@ -263,3 +265,26 @@ def test_dark_page_steps_offline(dark_page):
     stepper.get_by_role("button", name="next").click()
     assert stepper.locator(".slot-written").count() == 4
     assert dark_page.log["errors"] == [] and dark_page.log["external"] == []
+
+
+def test_sink_slots_stand_apart_from_the_ring(page):
+    """Sink slots are drawn in their own colour, under a 'sinks' bracket, with a gap before the
+    ring; the sinks drop-down switches to the precomputed plain ring."""
+    from ringviz.trace import Scenario, trace_scenario
+
+    stepper = page.locator(".ringviz-stepper").nth(2)
+    assert stepper.locator("svg .sink-label").text_content() == "sinks"
+    stepper.get_by_role("button", name="next").click()
+    expected = trace_scenario(Scenario(window=4, prompt=3, decode_steps=4, sinks=2)).frames[1]
+    assert stepper.locator(".ringviz-arithmetic").inner_text() == expected.arithmetic
+    assert stepper.locator("svg .slot-sink").count() == 2
+    boxes = [stepper.locator("svg .slot").nth(i).bounding_box() for i in range(6)]
+    gap = [boxes[i + 1]["x"] - boxes[i]["x"] - boxes[i]["width"] for i in range(5)]
+    assert gap[1] > gap[0] + 10 and gap[1] > gap[2] + 10, gap  # sinks | ring
+    labels = stepper.locator("svg .slot-index")
+    assert [labels.nth(i).text_content() for i in range(6)] == ["slot 0", "1", "2", "3", "4", "5"]
+    stepper.locator("select").select_option(label="0")
+    assert stepper.locator("svg .slot").count() == 4
+    assert stepper.locator("svg .slot-sink").count() == 0
+    assert stepper.locator("svg .sink-label").count() == 0
+    assert page.log["errors"] == []

@@ -203,3 +203,116 @@ def test_arithmetic_checks_the_observed_slot():
     assert _slot_sum(10, 2, 4) == "pos 10 -> slot 10 % 4 = 2"
     with pytest.raises(RuntimeError, match="slot 1, not 10 % 4 = 2"):
         _slot_sum(10, 1, 4)
+
+
+SINK_SCENARIOS = {
+    "decode_after_prompt": Scenario(window=4, prompt=7, decode_steps=5, sinks=2),
+    "chunks_shorter_than_sinks": Scenario(window=3, prompt=8, chunk=1, decode_steps=2, sinks=3),
+    "chunk_longer_than_window": Scenario(window=3, prompt=9, chunk=5, decode_steps=3, sinks=1),
+    "ragged_batch": Scenario(window=3, chunk=2, decode_steps=3, sinks=2, batch_lengths=(6, 1, 4)),
+}
+
+
+@pytest.mark.parametrize("name", SINK_SCENARIOS)
+def test_sink_frames_are_the_cache_states(name):
+    """Positions as a fresh ``RingKVCache(sinks=S)`` holds them; the start is the ring's oldest."""
+    s = SINK_SCENARIOS[name]
+    lengths = np.array(s.lengths)
+    longest, chunk = int(lengths.max()), s.chunk or int(lengths.max())
+    cache = RingKVCache(len(lengths), 1, s.window, 2, sinks=s.sinks)
+    steps = [np.array([[p if p < n else -1 for p in range(a, min(a + chunk, longest))]
+                       for n in lengths]) for a in range(0, longest, chunk)]
+    steps += [(lengths + d)[:, None] for d in range(s.decode_steps)]
+    states = [cache.positions.numpy().copy()]
+    for pos in steps:
+        x = torch.zeros(len(lengths), 1, pos.shape[1], 2)
+        cache.step(x, x, x, torch.as_tensor(pos))
+        states.append(cache.positions.numpy().copy())
+    trace = trace_scenario(s)
+    assert [f.positions for f in trace.frames] == [p.tolist() for p in states]
+    for frame in trace.frames:
+        for row, start in zip(frame.positions, frame.start, strict=True):
+            ring = {p: s.sinks + slot for slot, p in enumerate(row[s.sinks:]) if p >= 0}
+            assert start == (ring[min(ring)] if ring else 0)
+
+
+@pytest.mark.parametrize("name", SINK_SCENARIOS)
+def test_sink_slots_hold_the_first_positions_for_good(name):
+    """Independent of the cache: slots 0..S-1 hold 0..S-1 once seen and are never overwritten;
+    the ring after them holds the newest W later positions at slot S + pos % W."""
+    s = SINK_SCENARIOS[name]
+    trace = trace_scenario(s)
+    S, W = s.sinks, s.window
+    seen = [set() for _ in s.lengths]
+    for frame in trace.frames:
+        for row, (queries, positions) in enumerate(zip(frame.queries, frame.positions,
+                                                       strict=True)):
+            seen[row] |= set(queries)
+            assert positions[:S] == [p if p in seen[row] else -1 for p in range(S)]
+            assert not [p for p in frame.evicted[row] if p < S]
+            ring = sorted(p for p in seen[row] if p >= S)[-W:]
+            assert sorted(p for p in positions[S:] if p >= 0) == ring
+            assert all(S + p % W == S + slot for slot, p in enumerate(positions[S:]) if p >= 0)
+    first_write = {}
+    for i, frame in enumerate(trace.frames):
+        for row, positions in enumerate(frame.positions):
+            for slot in range(S):
+                if positions[slot] >= 0:
+                    first_write.setdefault((row, slot), i)
+                    assert slot not in frame.written[row] or first_write[(row, slot)] == i
+
+
+def test_sink_states_and_masks_include_the_sinks():
+    s = SINK_SCENARIOS["decode_after_prompt"]
+    trace = trace_scenario(s)
+    last = trace.frames[-1]  # query 11: sinks 0, 1 and ring 8..11
+    assert last.positions == [[0, 1, 8, 9, 10, 11]]
+    assert last.slot_state == [["sink", "sink", "visible", "visible", "visible", "visible"]]
+    assert last.keys == [[0, 1, 8, 9, 10, 11]] and last.band == [[[True] * 6]]
+    prefill = trace.frames[1]
+    expected = band_mask(np.arange(7), np.arange(7), 4, sinks=2)
+    assert prefill.band == [expected.tolist()] and prefill.band[0][6][0]  # 6 sees sink 0
+    assert slot_states(9, np.array([0, -1, 8, 9, 2, 10]), window=2, sinks=2) == [
+        "sink", "empty", "visible", "visible", "stale", "future"]
+
+
+def test_sink_arithmetic_and_captions():
+    trace = trace_scenario(Scenario(window=4, prompt=1, decode_steps=9, sinks=2))
+    assert [f.arithmetic for f in trace.frames[1:4]] == [
+        "pos 0 -> sink slot 0", "pos 1 -> sink slot 1",
+        "pos 2 -> slot 2 + 2 % 4 = 4; ring start = 2 + 2 % 4 = 4 (ring not full)"]
+    assert trace.frames[2].caption == "token 1 written to slot 1; the ring is still empty"
+    assert trace.frames[-1].arithmetic == (
+        "pos 9 -> slot 2 + 9 % 4 = 3; evicts 5 = 9 - 4; ring start = 2 + (9 + 1) % 4 = 4")
+    assert trace.frames[-1].caption == (
+        "token 9 written to slot 3, evicting token 5; ring start -> slot 4")
+    chunked = trace_scenario(Scenario(window=3, prompt=9, chunk=5, decode_steps=0, sinks=1))
+    assert chunked.frames[1].arithmetic == (
+        "pos 0 -> sink slot 0 ... pos 4 -> slot 1 + 4 % 3 = 2; ring start = 1 + (4 + 1) % 3 = 3")
+    assert chunked.frames[1].caption == (  # 1 = 4 - 3 shares slot 1 + 1 % 3 with 4: overwritten
+        "tokens 0..4 (5 > W=3) all attended inside the chunk; tokens 0, 2..4 kept in slots 0, "
+        "3, 1..2; token 1 never stored; ring start -> slot 3")
+    assert chunked.frames[2].arithmetic == (
+        "pos 6 -> slot 1 + 6 % 3 = 1 ... pos 8 -> slot 1 + 8 % 3 = 3; evicts 2..4 (older than "
+        "8 - 3 + 1 = 6); ring start = 1 + (8 + 1) % 3 = 1")
+    from ringviz.trace import _slot_sum
+    assert _slot_sum(1, 1, 4, sinks=2) == "pos 1 -> sink slot 1"
+    with pytest.raises(RuntimeError, match="slot 2, not slot 2 \\+ 9 % 4"):
+        _slot_sum(9, 2, 4, sinks=2)
+    with pytest.raises(RuntimeError, match="slot 3, not sink slot 1"):
+        _slot_sum(1, 3, 4, sinks=2)
+
+
+def test_no_sinks_is_the_plain_ring():
+    """``sinks=0`` is the default and leaves traces as they were: no sink key, no sink state."""
+    for s in SCENARIOS.values():
+        trace = trace_scenario(s)
+        assert trace == trace_scenario(Scenario(**{**s.to_dict(), "sinks": 0}))
+        assert "sinks" not in trace.scenario and '"sink' not in trace.to_json()
+    assert "sinks" in Scenario(sinks=1).to_dict()
+
+
+@pytest.mark.parametrize(("sinks", "error"), [(-1, ValueError), (1.5, TypeError)])
+def test_bad_sinks_raise(sinks, error):
+    with pytest.raises(error, match="sinks"):
+        Scenario(sinks=sinks)

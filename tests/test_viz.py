@@ -49,7 +49,7 @@ def test_set_style_uses_the_colour_blind_safe_cycle():
     viz.set_style()
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     assert colors[:3] == ["#0072B2", "#E69F00", "#009E73"]
-    assert set(viz.STATE_COLORS) == {"visible", "stale", "future", "empty"}
+    assert set(viz.STATE_COLORS) == {"visible", "stale", "future", "empty", "sink"}
 
 
 def test_latency_lines_differ_in_colour_marker_and_dash():
@@ -333,3 +333,33 @@ def test_rotation_shows_the_distance_the_query_sees():
     assert "6 % 4 = 2" in wrong.get_title()
     with pytest.raises(ValueError, match="key_pos"):
         viz.draw_rotation(query_pos=3, key_pos=6, window=4)
+
+
+def _contrast(a: str, b: str) -> float:
+    """WCAG contrast ratio of two ``#rrggbb`` colours."""
+    def lum(c: str) -> float:
+        ch = [int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)]
+        ch = [x / 12.92 if x <= 0.03928 else ((x + 0.055) / 1.055) ** 2.4 for x in ch]
+        return 0.2126 * ch[0] + 0.7152 * ch[1] + 0.0722 * ch[2]
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def test_packed_views_carry_the_sink_slots():
+    stepper = viz.RingStepper.from_scenario(window=4, prompt=3, decode_steps=6, sinks=2,
+                                            vary={"sinks": (0, 1, 2), "window": (3, 4)})
+    assert [p["label"] for p in stepper.params] == ["sink slots S", "window W"]
+    assert stepper.choice == 5 and stepper.to_trace().scenario["sinks"] == 2
+    views = unpack(stepper.frames, stepper.views)
+    for i, (sinks, w) in enumerate([(s, w) for s in (0, 1, 2) for w in (3, 4)]):
+        trace = trace_scenario(Scenario(window=w, prompt=3, decode_steps=6, sinks=sinks))
+        assert views[i] == view(trace)
+        assert views[i].get("sinks", 0) == sinks and ("sinks" in views[i]) == bool(sinks)
+        last = views[i]["frames"][-1]
+        assert len(last["positions"][0]) == sinks + w
+        assert last["states"][0] == "k" * sinks + "v" * w  # the sink state, one letter per slot
+        assert [STATE_NAMES[c] for c in last["states"][0]] == trace.frames[-1].slot_state[0]
+    # the JS draws sink slots in the widget palette; black slot text on them reads at AA
+    assert stepper.colors["sink"] == viz.STATE_COLORS["sink"]
+    assert len(set(viz.STATE_COLORS.values())) == len(viz.STATE_COLORS)
+    assert _contrast("#000000", viz.STATE_COLORS["sink"]) >= 4.5

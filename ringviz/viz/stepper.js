@@ -4,20 +4,35 @@
 // settings. Works live (frame and choice sync to Python) and in a static page (no kernel).
 // Colours of text, edges and controls come from CSS variables (stepper.css) that follow the
 // page's light or dark theme; slot fills are the figures' palette, with dark text on them.
+// A trace with sinks (view.sinks = S) holds S + W slots, [S sink slots | W ring slots]: the sink
+// slots are drawn apart from the ring, under a bracket labelled "sinks".
 
 /**
  * @typedef {{caption: string, arithmetic: string, positions: number[][], start: number[],
  *   written: number[][], evicted: number[][], queries: number[][], keys: number[][],
  *   band: string[][], states: string[]}} Frame
  *   band: per row, per query, one '1' (visible) or '0' per key; states: per row, one letter per
- *   slot (v visible, s stale, f future, e empty)
- * @typedef {{layout: string, window: number, rows: number, frames: Frame[]}} View
+ *   slot (v visible, s stale, f future, e empty, k sink)
+ * @typedef {{layout: string, window: number, rows: number, sinks?: number, frames: Frame[]}} View
  *   as synced, a view's frames are indices into the model's "frames" (each distinct frame once)
  * @typedef {{name: string, label: string, values: string[]}} Param
  */
 
 const SVG = "http://www.w3.org/2000/svg";
-const STATE = { v: "visible", s: "stale", f: "future", e: "empty" };
+const STATE = { v: "visible", s: "stale", f: "future", e: "empty", k: "sink" };
+const SINK_GAP = 18;  // px between the sink slots and the ring
+
+/** x of slot s's left edge: sink slots first, then a gap, then the ring. */
+function slotX(view, x0, cell, s) {
+  const S = view.sinks || 0;
+  return x0 + s * cell + (S && s >= S ? SINK_GAP : 0);
+}
+
+/** Width of a row of slots, sinks and gap included. */
+function rowWidth(view, cell) {
+  const S = view.sinks || 0;
+  return (S + view.window) * cell + (S ? SINK_GAP : 0);
+}
 const FG = "var(--rv-fg)", MUTED = "var(--rv-muted)", EDGE = "var(--rv-edge)", EVICT = "var(--rv-evict)";
 
 /** Attributes whose value is a CSS variable go into style (presentation attributes cannot). */
@@ -56,10 +71,10 @@ function fill(pos, state, colors) {
 
 /** One row of slots with slot numbers, pointers and evictions; returns the height used. */
 function drawRow(svg, view, f, row, x0, y0, cell, colors) {
-  const written = new Set(f.written[row]);
+  const written = new Set(f.written[row]), S = view.sinks || 0;
   const st = states(f, row);
   f.positions[row].forEach((pos, s) => {
-    const x = x0 + s * cell;
+    const x = slotX(view, x0, cell, s);
     const w = written.has(s);
     if (row === 0) label(svg, x + cell / 2, y0 - 8, s === 0 ? "slot 0" : String(s), { "font-size": 11, fill: MUTED, class: "slot-index" });
     el("rect", {
@@ -69,7 +84,7 @@ function drawRow(svg, view, f, row, x0, y0, cell, colors) {
     }, svg);
     if (pos >= 0) label(svg, x + cell / 2, y0 + (cell - 4) / 2, String(pos), { fill: "#000", "font-weight": w ? "bold" : "normal" });
   });
-  const end = x0 + view.window * cell + 8;
+  const end = x0 + rowWidth(view, cell) + 8;
   if (f.evicted[row].length) {
     label(svg, end, y0 + cell / 2 - 2, `evicted ${f.evicted[row].join(", ")}`,
       { "text-anchor": "start", fill: EVICT, class: "evicted", "font-weight": "bold" });
@@ -79,11 +94,11 @@ function drawRow(svg, view, f, row, x0, y0, cell, colors) {
     if (ws >= 0) {
       // both pointers on one line under the row: write right of centre, start left of it
       const tri = (s, dx, color, name) => {
-        const cx = x0 + s * cell + cell / 2 + dx, cy = y0 + cell + 1;
+        const cx = slotX(view, x0, cell, s) + cell / 2 + dx, cy = y0 + cell + 1;
         el("path", { d: `M${cx},${cy} l-6,10 h12 z`, fill: color, class: name }, svg);
       };
       tri(ws, 7, colors.write, "write-pointer");
-      tri(f.start[row], -7, colors.start, "start-pointer");
+      if (f.start[row] >= S) tri(f.start[row], -7, colors.start, "start-pointer");  // ring's start
     }
   }
   if (view.rows > 1) {
@@ -92,32 +107,33 @@ function drawRow(svg, view, f, row, x0, y0, cell, colors) {
   return cell + 22;
 }
 
-/** The ring as a circle (single-row ring traces): slot 0 at 12 o'clock, clockwise. */
+/** The ring as a circle (single-row ring traces): its first slot at 12 o'clock, clockwise. With
+ * sinks the circle is the ring part only (slots S .. S + W - 1). */
 function drawCircle(svg, view, f, cx, cy, r, colors) {
-  const W = view.window, st = states(f, 0), written = new Set(f.written[0]);
+  const W = view.window, S = view.sinks || 0, st = states(f, 0), written = new Set(f.written[0]);
   const pt = (a, rad) => [cx + rad * Math.sin(a), cy - rad * Math.cos(a)];
   for (let s = 0; s < W; s++) {
     const a0 = (2 * Math.PI * s) / W, a1 = (2 * Math.PI * (s + 1)) / W, big = a1 - a0 > Math.PI ? 1 : 0;
     const [x0, y0] = pt(a0, r), [x1, y1] = pt(a1, r), [x2, y2] = pt(a1, r * 0.6), [x3, y3] = pt(a0, r * 0.6);
-    const pos = f.positions[0][s];
+    const pos = f.positions[0][S + s];
     el("path", {
       d: `M${x0},${y0} A${r},${r} 0 ${big} 1 ${x1},${y1} L${x2},${y2} A${r * 0.6},${r * 0.6} 0 ${big} 0 ${x3},${y3} Z`,
-      fill: fill(pos, st[s], colors),
-      stroke: written.has(s) ? colors.write : EDGE, "stroke-width": written.has(s) ? 3.5 : 1,
+      fill: fill(pos, st[S + s], colors),
+      stroke: written.has(S + s) ? colors.write : EDGE, "stroke-width": written.has(S + s) ? 3.5 : 1,
     }, svg);
     const [tx, ty] = pt((a0 + a1) / 2, r * 0.8);
     if (pos >= 0) label(svg, tx, ty, String(pos), { fill: "#000" });
     const [sx, sy] = pt((a0 + a1) / 2, r * 1.13);
-    label(svg, sx, sy, String(s), { fill: MUTED, "font-size": 11 });
+    label(svg, sx, sy, String(S + s), { fill: MUTED, "font-size": 11 });
   }
   const ws = writeSlot(f.positions[0]);
-  if (ws >= 0) {
+  if (ws >= S) {
     for (const [s, color, rad] of [[ws, colors.write, 0.55], [f.start[0], colors.start, 0.42]]) {
-      const [ex, ey] = pt((2 * Math.PI * (s + 0.5)) / W, r * rad);
+      const [ex, ey] = pt((2 * Math.PI * (s - S + 0.5)) / W, r * rad);
       el("line", { x1: cx, y1: cy, x2: ex, y2: ey, stroke: color, "stroke-width": 3, "marker-end": `url(#ringviz-arrow-${color === colors.write ? "w" : "s"})` }, svg);
     }
   }
-  label(svg, cx, cy + r + 24, `slot = pos % ${W}`, { "font-size": 12, fill: MUTED });
+  label(svg, cx, cy + r + 24, S ? `slot = ${S} + pos % ${W}` : `slot = pos % ${W}`, { "font-size": 12, fill: MUTED });
 }
 
 /** Queries x keys of the current step (single-row traces), coloured like the slots. The key
@@ -125,11 +141,11 @@ function drawCircle(svg, view, f, cx, cy, r, colors) {
  * chunk keys that the ring did not keep are marked "never stored". Returns the height used. */
 function drawBand(svg, view, f, x0, y0, cell, rowsShown, colors) {
   const q = f.queries[0], k = f.keys[0], inChunk = new Set(q), kept = new Set(f.positions[0]);
-  label(svg, x0, y0 + 8, `mask of this step: query (rows) x key position (columns), W=${view.window}`,
+  label(svg, x0, y0 + 8, `mask of this step: query (rows) x key position (columns), W=${view.window}${view.sinks ? `, ${view.sinks} sinks` : ""}`,
     { "text-anchor": "start", "font-size": 13, "font-weight": "bold" });
   const gx = x0 + 40, top = y0 + 26;
   const ringKeys = k.filter((key) => !inChunk.has(key));
-  const groups = [["ring", 0, ringKeys.length], ["chunk", ringKeys.length, k.length]].filter((g) => g[2] > g[1] && q.length > 1);
+  const groups = [[view.sinks ? "sinks + ring" : "ring", 0, ringKeys.length], ["chunk", ringKeys.length, k.length]].filter((g) => g[2] > g[1] && q.length > 1);
   for (const [name, a, b] of groups) {
     el("path", { d: `M${gx + a * cell + 2},${top + 10} v-6 H${gx + b * cell - 2} v6`, fill: "none", stroke: MUTED }, svg);
     label(svg, gx + ((a + b) / 2) * cell, top - 4, name, { "font-size": 12, fill: MUTED });
@@ -172,8 +188,8 @@ function defs(svg, colors) {
   }
 }
 
-function legend(svg, x, y, colors, ring) {
-  const items = [["visible", colors.visible], ["empty", "url(#ringviz-hatch)"], ["written", "var(--rv-bg)"]];
+function legend(svg, x, y, colors, ring, sinks) {
+  const items = [...(sinks ? [["sink", colors.sink]] : []), ["visible", colors.visible], ["empty", "url(#ringviz-hatch)"], ["written", "var(--rv-bg)"]];
   let cx = x;
   for (const [name, color] of items) {
     el("rect", { x: cx, y, width: 14, height: 14, fill: color, stroke: name === "written" ? colors.write : EDGE, "stroke-width": name === "written" ? 3 : 1 }, svg);
@@ -207,17 +223,24 @@ function draw(model, parts) {
   const f = view.frames[i];
   svg.replaceChildren();
   defs(svg, colors);
-  const cell = Math.max(26, Math.min(44, Math.floor(440 / view.window)));
+  const S = view.sinks || 0;
+  const cell = Math.max(26, Math.min(44, Math.floor(440 / (S + view.window))));
   const x0 = view.rows > 1 ? 60 : 20;
   const ring = view.layout === "ring";
   let y = ring ? 58 : 26;
   if (ring) {
-    const x1 = x0 + (view.window - 0.5) * cell, xa = x0 + cell / 2;
+    const last = S + view.window - 1;
+    const x1 = slotX(view, x0, cell, last) + cell / 2, xa = slotX(view, x0, cell, S) + cell / 2;
     el("path", { d: `M${x1},${y - 20} C${x1},${y - 38} ${xa},${y - 38} ${xa},${y - 22}`, fill: "none", stroke: EDGE, "marker-end": "url(#ringviz-arrow-e)" }, svg);
-    label(svg, x0, y - 46, `after slot ${view.window - 1} the next write wraps to slot 0`, { "text-anchor": "start", "font-size": 12, fill: MUTED });
+    label(svg, slotX(view, x0, cell, S), y - 46, `after slot ${last} the next write wraps to slot ${S}`, { "text-anchor": "start", "font-size": 12, fill: MUTED });
+  }
+  if (S) {  // bracket over the sink slots, apart from the ring
+    const a = x0 + 2, b = x0 + S * cell - 2;
+    el("path", { d: `M${a},${y - 16} v-6 H${b} v6`, fill: "none", stroke: MUTED, class: "sink-bracket" }, svg);
+    label(svg, (a + b) / 2, y - 32, "sinks", { "font-size": 12, fill: MUTED, class: "sink-label" });
   }
   for (let row = 0; row < view.rows; row++) y += drawRow(svg, view, f, row, x0, y, cell, colors);
-  let width = x0 + view.window * cell + 150;
+  let width = x0 + rowWidth(view, cell) + 150;
   let height = y;
   if (ring && view.rows === 1 && model.get("show_circle")) {
     const r = 80;
@@ -225,8 +248,8 @@ function draw(model, parts) {
     width += 2 * r + 40;
     height = Math.max(height, 2 * r + 64);
   }
-  legend(svg, x0, height + 2, colors, ring);
-  width = Math.max(width, x0 + (ring ? 480 : 280));  // room for the legend
+  legend(svg, x0, height + 2, colors, ring, S);
+  width = Math.max(width, x0 + (ring ? (S ? 550 : 480) : 280));  // room for the legend
   height += 24;
   const bandFrames = view.frames.filter((g) => g.queries.length && g.queries[0].length && g.keys[0].length);
   if (ring && view.rows === 1 && model.get("show_band") && bandFrames.length) {

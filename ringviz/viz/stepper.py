@@ -30,14 +30,17 @@ _HERE = pathlib.Path(__file__).parent
 COLORS = {**STATE_COLORS, "write": WRITE_COLOR, "start": START_COLOR, "evict": EVICT_COLOR,
           "edge": EDGE_COLOR}
 MAX_GRID = 96  # traces per stepper: each one is embedded in the page
-STATE_LETTERS = {"visible": "v", "stale": "s", "future": "f", "empty": "e"}
+STATE_LETTERS = {"visible": "v", "stale": "s", "future": "f", "empty": "e", "sink": "k"}
 LABELS = {"window": "window W", "tokens": "tokens", "prompt": "prompt tokens",
-          "chunk": "chunk size", "decode_steps": "decode steps", "batch_lengths": "row lengths"}
+          "chunk": "chunk size", "decode_steps": "decode steps", "batch_lengths": "row lengths",
+          "sinks": "sink slots S"}
 
 
 def view(trace: Trace) -> dict:
     """What the JavaScript view draws of a trace, compactly: masks as '0'/'1' strings per query,
-    slot states as one letter per slot (``v``isible, ``s``tale, ``f``uture, ``e``mpty).
+    slot states as one letter per slot (``v``isible, ``s``tale, ``f``uture, ``e``mpty, sin``k``).
+    A trace with sinks also says how many (``"sinks"``: its first slots are sink slots); one
+    without has no such key, so its view is what it was before sinks existed.
 
     >>> v = view(trace_ring(window=2, tokens=3))
     >>> v["frames"][-1]["positions"], v["frames"][-1]["states"], v["frames"][-1]["band"]
@@ -55,7 +58,9 @@ def view(trace: Trace) -> dict:
         "band": [["".join("1" if b else "0" for b in q) for q in row] for row in f.band],
         "states": ["".join(STATE_LETTERS[s] for s in row) for row in f.slot_state],
     } for f in trace.frames]
-    return {"layout": trace.layout, "window": trace.window, "rows": trace.rows, "frames": frames}
+    out = {"layout": trace.layout, "window": trace.window, "rows": trace.rows, "frames": frames}
+    sinks = trace.scenario.get("sinks", 0)
+    return {**out, "sinks": sinks} if sinks else out
 
 
 def pack(views: Sequence[dict]) -> tuple[list[dict], list[dict]]:
@@ -98,7 +103,7 @@ class RingStepper(anywidget.AnyWidget):
     """Step through a trace: prev / next / play, a slider, arrow keys, a caption per step, and
     (with ``vary=``) drop-downs that switch between traces precomputed for a parameter grid.
 
-    Used in chapters 3 (ring indexing), 5 (masks), 6 (prefill) and 7 (batching).
+    Used in chapters 3 (ring indexing), 5 (masks), 6 (prefill), 7 (batching) and 8 (sinks).
     """
 
     _esm = _HERE / "stepper.js"
@@ -165,15 +170,15 @@ class RingStepper(anywidget.AnyWidget):
     @classmethod
     def from_scenario(cls, *, window: int = 8, prompt: int = 12, chunk: int | None = None,
                       decode_steps: int = 4, batch_lengths: tuple[int, ...] | None = None,
-                      vary: Mapping[str, Sequence[object]] | None = None,
+                      sinks: int = 0, vary: Mapping[str, Sequence[object]] | None = None,
                       **kwargs: object) -> RingStepper:
         """Run :class:`ringviz.trace.Scenario` (each point of ``vary``) through the real cache.
 
         ``vary={"window": (3, 4, 5), "chunk": (2, 3, None)}`` embeds 9 traces and adds two
-        drop-downs to the page.
+        drop-downs to the page; ``sinks=S`` draws the cache's S sink slots beside the ring.
         """
         settings = dict(window=window, prompt=prompt, chunk=chunk, decode_steps=decode_steps,
-                        batch_lengths=batch_lengths)
+                        batch_lengths=batch_lengths, sinks=sinks)
         return cls.grid(lambda **s: trace_scenario(Scenario(**s)), settings, vary, **kwargs)
 
     @classmethod

@@ -29,6 +29,7 @@ STATE_COLORS = {
     "stale": "#D55E00",  # vermillion: still stored, older than the window
     "future": "#F0E442",  # yellow: after the query (causal mask)
     "empty": "#FFFFFF",  # white with a grey outline: nothing there yet
+    "sink": OKABE_ITO["purple"],  # an attention-sink slot: kept for good, seen by every query
 }
 WRITE_COLOR = OKABE_ITO["orange"]  # slot written in this step, write pointer
 START_COLOR = OKABE_ITO["green"]  # start pointer: oldest visible entry
