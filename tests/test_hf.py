@@ -342,8 +342,10 @@ def test_ring_cache_cannot_roll_back():
 
 
 # ------------------------------------------------------------------------- torch.compile
-def test_decode_step_compiles_once_fullgraph_and_matches_eager():
-    """All-ring cache: one graph (fullgraph=True: a graph break would raise), no recompile."""
+@pytest.mark.parametrize(("sinks", "sink_rope"), [(0, None), (2, None), (2, "cache")])
+def test_decode_step_compiles_once_fullgraph_and_matches_eager(sinks, sink_rope):
+    """All-ring cache, with and without sinks: one graph (fullgraph=True: a graph break would
+    raise), no recompile."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     model = tiny_mistral(torch.float32)
@@ -352,7 +354,7 @@ def test_decode_step_compiles_once_fullgraph_and_matches_eager():
     compiled = torch.compile(model.forward, fullgraph=True, backend=counter)
     runs = {}
     for name, forward in (("eager", model.forward), ("compiled", compiled)):
-        cache = hf.RingCache(model)
+        cache = hf.RingCache(model, sinks=sinks, sink_rope=sink_rope)
         assert cache.is_compileable
         logits = []
         with torch.no_grad(), hf.ring_active(model, cache):

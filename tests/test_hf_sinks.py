@@ -180,32 +180,6 @@ def test_a_cache_with_other_sinks_is_refused(kwargs):
     assert cache.get_seq_length() == 0 and cache.nbytes == 0
 
 
-# ------------------------------------------------------------------------- torch.compile
-@pytest.mark.parametrize("sink_rope", [None, "cache"])
-def test_decode_step_with_sinks_compiles_once_fullgraph(sink_rope):
-    """Sinks keep the all-ring decode step one graph (fullgraph: a break would raise)."""
-    from test_hf import tiny_mistral
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    model = tiny_mistral(torch.float32)
-    torch._dynamo.reset()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(model.forward, fullgraph=True, backend=counter)
-    runs = {}
-    for name, forward in (("eager", model.forward), ("compiled", compiled)):
-        cache = hf.RingCache(model, sinks=SINKS, sink_rope=sink_rope)
-        logits = []
-        with torch.no_grad(), hf.ring_active(model, cache):
-            tok = model(input_ids=prompt(9), cache=cache).logits[:, -1:].argmax(-1)  # prefill
-            for _ in range(12):  # decode past two wraps of the ring of 5
-                out = forward(input_ids=tok, cache=cache).logits[:, -1:]
-                logits.append(out)
-                tok = out.argmax(-1)
-        runs[name] = torch.cat(logits, dim=1)
-    assert counter.frame_count == 1
-    torch.testing.assert_close(runs["compiled"], runs["eager"])
-
-
 # ------------------------------------------------------------------------- the real model
 @pytest.mark.slow
 @pytest.mark.parametrize("sink_rope", [None, "cache"])
