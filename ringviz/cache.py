@@ -341,8 +341,6 @@ class RingKVCache:
         if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
             self.write(k, v, positions, check=False)
             mask = self._decode_mask(positions)  # (B, 1, S + C)
-            if self.sink_rope is None:
-                return masked_attention(q, self.k, self.v, mask, scale=scale)
             return self.attend_keys(q, positions, self.k, self.v, mask, scale)
         out = self.attend_chunk(q, k, v, positions, scale=scale)
         self.write(k, v, positions, check=False)
@@ -398,6 +396,15 @@ class RingKVCache:
         self._pos_store.masked_fill_(self._pos_store >= lengths[:, None], -1)
         torch.minimum(self._last_pos, lengths - 1, out=self._last_pos)
 
+    def missing_positions(self, lengths: torch.Tensor) -> list[list[int]]:
+        """Per row b: positions a query at ``lengths[b]`` needs, ``lengths[b] - W + 1 ..
+        lengths[b] - 1``, that the cache does not hold (a host sync; for checks and reports)."""
+        out = []
+        for row, n in zip(self.positions.tolist(), lengths.tolist(), strict=True):
+            held = set(row)
+            out.append([p for p in range(max(0, n - self.window + 1), n) if p not in held])
+        return out
+
     def _check_truncate(self, lengths: torch.Tensor) -> None:
         check_tensor("lengths", lengths, self.device)
         if lengths.dtype not in (torch.int64, torch.int32) or lengths.shape != (self.batch_size,):
@@ -416,8 +423,7 @@ class RingKVCache:
         if n < 0 or n > int(seen[b]):
             raise ValueError(f"row {b}: cannot truncate to {n} positions; it has seen "
                              f"{int(seen[b])}")
-        held = set(self.positions[b].tolist())
-        lost = [p for p in range(max(0, n - self.window + 1), n) if p not in held]
+        lost = self.missing_positions(lengths)[b]
         raise ValueError(
             f"row {b}: truncating to {n} leaves out position(s) {lost}, which the query at {n} "
             f"needs: later tokens overwrote them (capacity {self.capacity}, window "

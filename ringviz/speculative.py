@@ -193,11 +193,7 @@ class CommitAcceptedRing(DraftRing):
 
 def missing_positions(ring: DraftRing) -> list[list[int]]:
     """Per row: positions the next query (at ``lengths[b]``) needs that the ring lacks."""
-    out = []
-    for b, n in enumerate(ring.lengths.tolist()):
-        held = set(ring.cache.positions[b].tolist())
-        out.append([p for p in range(max(0, n - ring.window + 1), n) if p not in held])
-    return out
+    return ring.cache.missing_positions(ring.lengths)
 
 
 @dataclass
