@@ -303,12 +303,13 @@ class RingKVCache:
         return self.attend_keys(q, q_positions, self.k, self.v, mask, scale)
 
     def attend_keys(self, q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, mask: torch.Tensor, scale: float | None
-                    ) -> torch.Tensor:
+                    values: torch.Tensor, mask: torch.Tensor, scale: float | None, *,
+                    empty: torch.Tensor | None = None) -> torch.Tensor:
         """Masked attention over ``keys`` whose first ``S`` are the sink slots, in this cache's
-        sink convention (the storage, or :meth:`keys_with_chunk`'s keys; ringviz.hf calls it)."""
+        sink convention (the storage, or :meth:`keys_with_chunk`'s keys; ringviz.hf calls it).
+        ``empty`` (B, T): the query rows known to see nothing (:func:`masked_attention`)."""
         if self.sink_rope is None:
-            return masked_attention(q, keys, values, mask, scale=scale)
+            return masked_attention(q, keys, values, mask, scale=scale, empty=empty)
         sink_keys = rotate_sinks(keys[:, :, :self.sinks], q_positions, self.window,
                                  self.sink_rope)
         return sink_attention(q, keys, values, mask, sink_keys, scale=scale)
@@ -461,26 +462,32 @@ def chunk_key_positions(stored: torch.Tensor, positions: torch.Tensor, sinks: in
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, empty: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """SDPA with a boolean ``(B, Tq, Tk)`` mask shared by all heads; GQA by head grouping.
 
     The ``G = Hq / Hkv`` query heads that share a KV head (HF ``repeat_kv`` order: head ``h``
-    reads KV head ``h // G``) are packed into the query dimension, so each KV head is read once
-    by a ``G * Tq``-row attention instead of being broadcast to G heads: for decode this is a
-    free view, and measured ~1.7x faster than ``enable_gqa`` on Gemma 3's shapes (CPU).
+    reads KV head ``h // G``). A decode query's G heads are packed into the query dimension, so
+    each KV head is read once by a G-row attention: a free view, measured ~1.7x faster than
+    ``enable_gqa`` on Gemma 3's shapes (CPU). A chunk keeps its heads and ``enable_gqa``: its
+    mask then broadcasts over heads, where packing would copy it G times (measured 1.2x slower
+    at T = 600 on the same shapes).
     Rows with nothing visible come out as zeros, whatever the SDPA backend returns for them
-    (torch 2.13's CPU kernel gives zeros; older releases' math kernel gave NaN).
+    (torch 2.13's CPU kernel gives zeros; older releases' math kernel gave NaN). ``empty``
+    ``(B, Tq)`` names those rows when the caller knows them (padding queries: a real query
+    always sees itself), sparing a reduction over the whole mask in every layer.
     """
     B, Hq, T, D = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    packed = q.reshape(B, Hkv, G * T, D)  # (B, n_kv_heads, G * T, head_dim)
-    if T == 1:  # decode: one mask row, broadcast over the G packed query heads
-        mask = mask[:, None]  # (B, 1, 1, Tk)
+    Hkv = k.shape[1]
+    mask = mask[:, None]  # (B, 1, T, Tk): one mask for every head
+    if T == 1:  # decode: (B, n_kv_heads, G, head_dim), the G heads as G query rows
+        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), k, v,
+                                             attn_mask=mask, scale=scale)
     else:
-        mask = mask[:, None, None].expand(B, 1, G, T, Tk).reshape(B, 1, G * T, Tk)
-    out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask, scale=scale)
-    empty = ~mask.any(dim=-1, keepdim=True)  # (B, 1, G*T or 1, 1): broadcasts over heads
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=Hq != Hkv)
+    # (B, 1, T, 1): broadcasts over heads
+    empty = ~mask.any(dim=-1, keepdim=True) if empty is None else empty[:, None, :, None]
     # in place on SDPA's fresh output (saves a copy per call), unless autograd needs it
     out = out.masked_fill(empty, 0.0) if out.requires_grad else out.masked_fill_(empty, 0.0)
     return out.view(B, Hq, T, D)  # (B, Hq, T, head_dim)

@@ -67,7 +67,7 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                              "implement it")
         cache._checked_kinds.add(kind)
     positions = cache.new_positions(attention_mask, batch_size, q_length, torch.device(device))
-    cache._pending, cache._updated = positions, 0
+    cache.start_forward(positions)
     return cache.build_mask(kind, positions)
 
 
@@ -92,7 +92,10 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         if isinstance(layer, RingLayer):
             out = layer.attention(query, key, value, attention_mask[:, 0], scaling)
             return out.transpose(1, 2), None
-    out = masked_attention(query, key, value, attention_mask[:, 0], scale=scaling)
+    # the rows that see nothing are the padding queries, known once per forward (no reduction
+    # over the mask in every layer)
+    empty = cache.padding if cache is not None else None
+    out = masked_attention(query, key, value, attention_mask[:, 0], scale=scaling, empty=empty)
     return out.transpose(1, 2), None  # HF expects (B, T, Hq, D)
 
 
@@ -116,4 +119,4 @@ def ring_active(model, cache: RingCache) -> Iterator[None]:
             yield
     finally:
         _ACTIVE.cache = before
-        cache._pending, cache._updated = None, 0
+        cache.end_forward()

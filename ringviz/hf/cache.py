@@ -65,6 +65,8 @@ class RingCache(Cache):
                 raise ValueError(f"layers {first} and {i} get the same mask but windows "
                                  f"{windows[first]} and {w}")
         self._pending: torch.Tensor | None = None  # positions of this forward's new tokens
+        self.padding: torch.Tensor | None = None  # (B, T) which of them are padding
+        self.chunk_padded = False  # whether this forward's chunk (T > 1) has any padding
         self._updated = 0  # layers updated in the current forward
         self._checked_kinds: set[str] = set()
 
@@ -79,11 +81,26 @@ class RingCache(Cache):
         positions = self._pending
         if positions is None or positions.shape != (key_states.shape[0], key_states.shape[2]):
             raise RuntimeError(NOT_THROUGH_GENERATE)
-        out = self.layers[layer_idx].update(key_states, value_states, positions=positions)
+        out = self.layers[layer_idx].update(key_states, value_states, positions=positions,
+                                            padded=self.chunk_padded)
         self._updated += 1
-        if self._updated == len(self.layers):  # the forward is done: its positions are spent
-            self._pending, self._updated = None, 0
+        if self._updated == len(self.layers):  # every write done: its positions are spent
+            self._pending, self._updated = None, 0  # (padding stays for the last attention)
         return out
+
+    def start_forward(self, positions: torch.Tensor) -> None:
+        """Take ``positions`` (B, T) for the layers' writes in the forward about to run.
+
+        A chunk asks once whether it holds padding (one host sync per prefill chunk, none per
+        decode step), so its layers can skip zeroing padded keys when there is none.
+        """
+        self._pending, self._updated = positions, 0
+        self.padding = positions < 0
+        self.chunk_padded = positions.shape[1] > 1 and bool(self.padding.any())
+
+    def end_forward(self) -> None:
+        """Forget the last forward's positions (a write without new ones is then refused)."""
+        self._pending, self.padding, self.chunk_padded, self._updated = None, None, False, 0
 
     def reserve(self, tokens: int) -> None:
         """Size the full layers for ``tokens`` at first use (they still grow past it)."""

@@ -48,15 +48,16 @@ class RingLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
-               positions: torch.Tensor | None = None, **kwargs
+               positions: torch.Tensor | None = None, padded: bool = True, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``T`` tokens; return the keys/values their queries attend over.
 
         ``T == 1``: write the slot, return the ring itself (``S + window`` keys, slot order).
         ``T > 1`` (a prefill chunk, possibly longer than the window): return
         :meth:`RingKVCache.keys_with_chunk` (``[sinks | ring | chunk]``) as it was before the
-        write (just the chunk into an empty ring without sinks), then write (a chunk's early
-        queries still need keys it overwrites).
+        write (just the chunk into an empty ring without sinks, its padded keys zeroed unless
+        ``padded=False`` says it has none), then write (a chunk's early queries still need keys
+        it overwrites).
         """
         if positions is None:
             raise RuntimeError(NOT_THROUGH_GENERATE)
@@ -67,8 +68,10 @@ class RingLayer(CacheLayerMixin):
             ring.write(key_states, value_states, positions, check=False)
             out = ring.k, ring.v
         elif not self.sinks and self.fresh():  # an empty ring adds W masked keys: chunk alone
-            pad = (positions < 0)[:, None, :, None]  # 0 * NaN is NaN: zero padded keys
-            out = key_states.masked_fill(pad, 0.0), value_states.masked_fill(pad, 0.0)
+            out = key_states, value_states
+            if padded:  # 0 * NaN is NaN: zero padded keys
+                pad = (positions < 0)[:, None, :, None]
+                out = key_states.masked_fill(pad, 0.0), value_states.masked_fill(pad, 0.0)
             ring.write(key_states, value_states, positions, check=False)
         else:  # [ring | chunk] as RingKVCache.step's chunks attend over it
             out = ring.keys_with_chunk(key_states, value_states, positions)[:2]
