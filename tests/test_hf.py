@@ -132,12 +132,13 @@ def test_sampling_same_seed_same_tokens():
     assert max_score_diff(out, ref) < F32
 
 
-def test_left_padded_batch_matches_hf():
-    model = tiny_gemma()
+def test_left_padded_batch_matches_hf(device):
+    """Also the CUDA path, when a GPU is present (``device`` fixture)."""
+    model = tiny_gemma().to(device)
     ids = prompt(14, batch=3)
     mask = torch.ones_like(ids)
     mask[1, :5], mask[2, :11] = 0, 0  # rows of 14, 9 and 3 real tokens (W = 6)
-    ids = ids.masked_fill(mask == 0, 0)
+    ids, mask = ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
     ref = run(None, model, ids, attention_mask=mask, max_new_tokens=20)
     out = run(hf.generate, model, ids, attention_mask=mask, max_new_tokens=20,
               prefill_chunk_size=4)

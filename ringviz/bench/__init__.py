@@ -12,6 +12,10 @@ chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``b
   StreamingLLM's re-rotation of the whole cache and a ``[sinks | ring]`` concat (``sinks.py``).
 * ``generate``: Gemma-3-270M end-to-end ``generate()`` tokens/s, ``ringviz.hf.generate`` vs
   Hugging Face's default and static caches.
+* ``generate_compiled``: SmolLM2 (every layer a ring) ``ringviz.hf.generate`` tokens/s, eager vs
+  its decode step compiled by inductor.
+* ``generate_memory``: SmolLM2 peak RSS and cache bytes after 20 and 2,000 new tokens, ring vs
+  Hugging Face's default cache (fresh processes, CPU).
 
 Modules: ``harness`` (timing, machine facts), ``cases`` (the implementations), ``memory``
 (subprocess RSS runs), ``model`` (the real model), ``generate`` (the real model inside
@@ -71,23 +75,31 @@ class BenchConfig:
     generate_prompt_tokens: int = 600
     generate_cases: tuple[tuple[int, int], ...] = ((1, 96), (8, 2048))  # (batch, new tokens)
     generate_reps: int = 3
+    compiled: bool = True  # bench="generate_compiled": SmolLM2 ring generate, eager vs inductor
+    compiled_window: int = 256
+    compiled_prompt_tokens: int = 300
+    compiled_new_tokens: int = 64
+    compiled_reps: int = 3
+    generate_memory: bool = True  # bench="generate_memory": SmolLM2 RSS, ring vs HF default
+    generate_memory_window: int = 256
+    generate_memory_new_tokens: tuple[int, ...] = (20, 2000)
 
 
 FULL = BenchConfig()
 QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
-                model=False, generate=False)
-PARTS = ("sinks", "generate")  # what ``--only`` can keep
+                model=False, generate=False, compiled=False, generate_memory=False)
+PARTS = ("sinks", "generate", "compiled", "generate_memory")  # what ``--only`` can keep
 
 
 def only(config: BenchConfig, part: str) -> BenchConfig:
-    """``config`` with one part's benches alone (``--only sinks`` / ``--only generate``)."""
+    """``config`` with one part's benches alone (``--only sinks``, ``generate``, ...)."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     rest = replace(config, update_windows=(), decode_windows=(), memory=False, model=False,
-                   sink_windows=(), generate=False)
+                   sink_windows=(), generate=False, compiled=False, generate_memory=False)
     if part == "sinks":
         return replace(rest, sink_windows=config.sink_windows)
-    return replace(rest, generate=True)
+    return replace(rest, **{part: True})
 
 
 def _log(message: str) -> None:
@@ -189,6 +201,19 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
             rows += generate_rows(prompt_tokens=config.generate_prompt_tokens,
                                   cases=config.generate_cases, reps=config.generate_reps,
                                   device=device, log=_log)
+        if config.compiled:
+            from ringviz.bench.generate import compiled_rows
+
+            rows += compiled_rows(window=config.compiled_window,
+                                  prompt_tokens=config.compiled_prompt_tokens,
+                                  new_tokens=config.compiled_new_tokens,
+                                  reps=config.compiled_reps, device=device, log=_log)
+        if config.generate_memory:
+            from ringviz.bench.generate import generate_memory_rows
+
+            rows += generate_memory_rows(window=config.generate_memory_window,
+                                         new_tokens=config.generate_memory_new_tokens,
+                                         threads=config.threads, log=_log)
         result = {"device": device.type, "machine": machine_info(device),
                   "config": asdict(config), "rows": rows}
     finally:

@@ -155,27 +155,43 @@ def decode_step(impl: str, shape: Shape, window: int, pre: Prefill,
     raise ValueError(f"unknown decode_step impl {impl!r}; expected one of {DECODE_IMPLS}")
 
 
-def ring_graph_step(shape: Shape, window: int, pre: Prefill, tok: Token) -> Callable[[], object]:
-    """The ring decode step captured once in a CUDA graph; each call replays it.
+WARMUP_STEPS = 3  # eager decode steps before a CUDA-graph capture (they advance the ring)
+
+
+def capture_ring_step(ring: RingKVCache, pos: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``pos += 1; out = ring.step(q, k, v, pos)`` captured in a CUDA graph: (graph, out).
 
     Capture is possible because the ring's storage never moves and ``check=False`` skips the
-    validation's host syncs; the position increment is captured too, so every replay is the next
-    decode step.
+    validation's host syncs. :data:`WARMUP_STEPS` real steps run first on a side stream, as
+    capture requires; capturing runs nothing. Each ``graph.replay()`` is then the next decode
+    step: it reads ``q``, ``k``, ``v`` where they are (copy a new token into them first) and
+    writes its attention output into ``out``.
     """
-    if shape.device.type != "cuda":
-        raise ValueError(f"CUDA graphs need a cuda device, got {shape.device}")
-    ring, pos = _full_ring(shape, window, pre)
-    side = torch.cuda.Stream(device=shape.device)
-    side.wait_stream(torch.cuda.current_stream(shape.device))
-    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
-        for _ in range(3):
+    device = ring.device
+    if device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a cuda device, got {device}")
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(WARMUP_STEPS):
             pos.add_(1)
-            ring.step(tok.q, tok.k, tok.v, pos, check=False)
-    torch.cuda.current_stream(shape.device).wait_stream(side)
+            ring.step(q, k, v, pos, check=False)
+    torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         pos.add_(1)
-        ring.step(tok.q, tok.k, tok.v, pos, check=False)
+        out = ring.step(q, k, v, pos, check=False)
+    return graph, out
+
+
+def ring_graph_step(shape: Shape, window: int, pre: Prefill, tok: Token) -> Callable[[], object]:
+    """The ring decode step captured once in a CUDA graph (:func:`capture_ring_step`); each
+    call replays it, the next decode step of the same token."""
+    if shape.device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a cuda device, got {shape.device}")
+    ring, pos = _full_ring(shape, window, pre)
+    graph, _ = capture_ring_step(ring, pos, tok.q, tok.k, tok.v)
     return graph.replay
 
 

@@ -13,24 +13,46 @@ One repetition runs each path once, in a rotated order (repetition r starts with
 so machine noise lands on all of them; the ratios ring/other are taken inside each repetition
 and their median and range reported. Each path first runs once untimed at the case's batch
 (2 new tokens). Wall time covers the whole call (prefill included); the tokens of every path
-must be the same, or the row says they are not.
+must be the same, or the row says they are not. Every path runs eager (``disable_compile``: on
+CUDA, transformers would otherwise compile the static cache's decode on its own).
+
+Two more parts use SmolLM2 with every layer a ring of ``window`` (a cache that compiles):
+
+* ``generate_compiled`` (:func:`compiled_rows`): ``ringviz.hf.generate`` eager against its decode
+  step compiled by inductor (``fullgraph=True``) through transformers' own ``compile_config``.
+* ``generate_memory`` (:func:`generate_memory_rows`): peak RSS and cache bytes of a ring and of
+  Hugging Face's default cache after 20 and 2,000 new tokens, each run in a fresh process.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 
 import numpy as np
 import torch
 
+from ringviz.bench.memory import _reset_peak, _status_bytes
+
 GENERATE_IMPLS = ("ring", "hf_default", "hf_static")
+COMPILED_IMPLS = ("ring_eager", "ring_inductor")
+GENERATE_MEMORY_IMPLS = ("ring", "hf_default")
+_MEMORY_MAIN = ("import json, sys; from ringviz.bench.generate import memory_worker; "
+                "print(json.dumps(memory_worker(**json.loads(sys.argv[1]))))")
+
+
+def _greedy(ids: torch.Tensor, new_tokens: int) -> dict:
+    """Greedy ``generate`` arguments for exactly ``new_tokens`` tokens, eager."""
+    return {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+            "attention_mask": torch.ones_like(ids), "disable_compile": True}
 
 
 def _call(impl: str, model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     from ringviz import hf
 
-    kwargs = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
-              "attention_mask": torch.ones_like(ids)}
+    kwargs = _greedy(ids, new_tokens)
     if impl == "ring":
         return hf.generate(model, ids, **kwargs)
     if impl == "hf_static":
@@ -40,12 +62,10 @@ def _call(impl: str, model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 def _timed(impl: str, model, ids: torch.Tensor, new_tokens: int,
            device: torch.device) -> tuple[torch.Tensor, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     t0 = time.perf_counter()
     out = _call(impl, model, ids, new_tokens)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    _sync(device)
     return out, time.perf_counter() - t0
 
 
@@ -109,4 +129,185 @@ def generate_figures(rows: list[dict]) -> dict:
                         f"{key}_max": float(ratio.max())})
         out[f"generate_tokens_match_B{batch}_N{n}"] = all(
             r["tokens_match_ring"] for r in by.values())
+    return out
+
+
+def inductor_config(device: torch.device):
+    """transformers' ``CompileConfig`` for an inductor-compiled decode step, ``fullgraph=True``.
+
+    On CUDA, transformers' default mode (``reduce-overhead``: CUDA graphs); on CPU, inductor's
+    default mode, and compiling allowed there (transformers compiles only on accelerators).
+    """
+    from transformers import CompileConfig
+
+    if device.type == "cuda":
+        return CompileConfig(fullgraph=True)
+    config = CompileConfig(fullgraph=True, mode="default")
+    config._compile_all_devices = True  # not an __init__ argument in transformers 5.24
+    return config
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+@torch.no_grad()
+def compiled_rows(*, name: str = "smollm2", window: int = 256, prompt_tokens: int,
+                  new_tokens: int, reps: int, device: torch.device, log=print) -> list[dict]:
+    """``bench="generate_compiled"`` rows: ring generate eager vs inductor-compiled decode.
+
+    The first compiled call compiles (its time is reported as ``compile_s``); the timed
+    repetitions then alternate eager and compiled, and must compile no new graph.
+    """
+    from ringviz import hf
+    from ringviz.models.load import load_model
+    from ringviz.models.text import eval_tokens
+
+    if reps < 1 or prompt_tokens < 1 or new_tokens < 2:
+        raise ValueError(f"need reps, prompt_tokens >= 1 and new_tokens >= 2; got {reps}, "
+                         f"{prompt_tokens}, {new_tokens}")
+    model, tokenizer = load_model(name, device=device)
+    ids = eval_tokens(tokenizer, prompt_tokens, device=device)[None]  # (1, P)
+    kwargs = {"eager": _greedy(ids, new_tokens),
+              "inductor": {**_greedy(ids, new_tokens), "disable_compile": False,
+                           "compile_config": inductor_config(device)}}
+    if not hf.RingCache(model, window=window).is_compileable:
+        raise ValueError(f"RingCache({name}, window={window}) is not compileable")
+
+    def timed(way: str) -> tuple[torch.Tensor, float]:
+        _sync(device)
+        t0 = time.perf_counter()
+        out = hf.generate(model, ids, window=window, **kwargs[way])
+        _sync(device)
+        return out, time.perf_counter() - t0
+
+    timed("eager")  # untimed: faults the weights in
+    graphs_before = _graphs_compiled()
+    _, compile_s = timed("inductor")
+    graphs_compiled = _graphs_compiled() - graphs_before
+    seconds: dict[str, list[float]] = {"eager": [], "inductor": []}
+    outputs = {}
+    for r in range(reps):
+        for way in (("eager", "inductor") if r % 2 == 0 else ("inductor", "eager")):
+            outputs[way], dt = timed(way)
+            seconds[way].append(dt)
+        log(f"generate_compiled rep {r + 1}/{reps}: eager {seconds['eager'][-1]:.2f} s, "
+            f"inductor {seconds['inductor'][-1]:.2f} s")
+    recompiled = _graphs_compiled() - graphs_before - graphs_compiled
+    same = bool(torch.equal(outputs["eager"], outputs["inductor"]))
+    return [{"bench": "generate_compiled", "impl": f"ring_{way}", "model": name,
+             "window": window, "batch": 1, "dtype": "float32", "device": device.type,
+             "threads": torch.get_num_threads(), "prompt_tokens": prompt_tokens,
+             "new_tokens": new_tokens, "seconds": s, "reps": len(s),
+             "tokens_per_s": float(new_tokens / np.median(s)),
+             "compile_s": compile_s if way == "inductor" else None,
+             "graphs_compiled": graphs_compiled if way == "inductor" else None,
+             "graphs_compiled_while_timed": recompiled if way == "inductor" else None,
+             "tokens_match_eager": same} for way, s in seconds.items()]
+
+
+def compiled_figures(rows: list[dict]) -> dict:
+    """Inductor tokens/s over eager, paired per repetition: median and range."""
+    by = {r["impl"]: r for r in rows if r["bench"] == "generate_compiled"}
+    if set(by) != set(COMPILED_IMPLS):
+        return {}
+    ratio = np.asarray(by["ring_eager"]["seconds"]) / np.asarray(by["ring_inductor"]["seconds"])
+    key = "generate_compiled_inductor_over_eager"
+    return {key: float(np.median(ratio)), f"{key}_min": float(ratio.min()),
+            f"{key}_max": float(ratio.max()),
+            "generate_compiled_tokens_match": by["ring_inductor"]["tokens_match_eager"],
+            "generate_compiled_recompiles": by["ring_inductor"]["graphs_compiled_while_timed"]}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes a cache holds: ``nbytes`` for a RingCache, keys + values for HF's own layers."""
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes)
+    return sum(t.numel() * t.element_size() for layer in cache.layers
+               for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
+
+
+@torch.no_grad()
+def memory_worker(impl: str, name: str, window: int, prompt_tokens: int, new_tokens: int,
+                  threads: int) -> dict:
+    """One generate in this (fresh) process: peak RSS growth over the call, cache bytes after."""
+    from ringviz import hf
+    from ringviz.models.load import load_model
+    from ringviz.models.text import eval_tokens
+
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(name)
+    ids = eval_tokens(tokenizer, prompt_tokens)[None]  # (1, P)
+
+    def run(n: int):
+        kwargs = {**_greedy(ids, n), "return_dict_in_generate": True}
+        if impl == "ring":
+            cache = hf.RingCache(model, window=window)
+            hf.generate(model, ids, cache=cache, **kwargs)
+            return cache
+        return model.generate(ids, **kwargs).past_key_values
+
+    run(2)  # pages the weights in and warms the allocator, at this process's shapes
+    baseline = _status_bytes("VmRSS")
+    _reset_peak()
+    start = time.perf_counter()
+    cache = run(new_tokens)
+    seconds = time.perf_counter() - start
+    return {"bench": "generate_memory", "impl": impl, "model": name,
+            "window": window if impl == "ring" else None, "batch": 1, "dtype": "float32",
+            "device": "cpu", "threads": threads, "prompt_tokens": prompt_tokens,
+            "new_tokens": new_tokens, "seconds": seconds, "cache_bytes": _cache_bytes(cache),
+            "peak_rss_growth_bytes": _status_bytes("VmHWM") - baseline,
+            "rss_growth_bytes": _status_bytes("VmRSS") - baseline}
+
+
+def generate_memory_rows(*, name: str = "smollm2", window: int = 256, prompt_tokens: int = 64,
+                         new_tokens: tuple[int, ...] = (20, 2000), threads: int = 1,
+                         log=print) -> list[dict]:
+    """``bench="generate_memory"`` rows: each (impl, new_tokens) in its own fresh process (CPU).
+
+    RSS (``VmRSS``; peak ``VmHWM``, reset after a warm-up call) is measured around one
+    ``generate``; ``cache_bytes`` is what the returned cache holds.
+    """
+    if prompt_tokens < 1 or not new_tokens or min(new_tokens) < 2:
+        raise ValueError(f"need prompt_tokens >= 1 and new_tokens >= 2, got {prompt_tokens}, "
+                         f"{new_tokens}")
+    rows = []
+    for impl in GENERATE_MEMORY_IMPLS:
+        for n in new_tokens:
+            params = {"impl": impl, "name": name, "window": window,
+                      "prompt_tokens": prompt_tokens, "new_tokens": n, "threads": threads}
+            proc = subprocess.run([sys.executable, "-c", _MEMORY_MAIN, json.dumps(params)],
+                                  capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                raise RuntimeError(f"generate_memory worker {params} failed:\n"
+                                   f"{proc.stderr[-2000:]}")
+            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            log(f"generate_memory {impl} N={n}: cache {row['cache_bytes'] / 2**20:.1f} MiB, "
+                f"peak RSS +{row['peak_rss_growth_bytes'] / 2**20:.1f} MiB "
+                f"({row['seconds']:.1f} s)")
+            rows.append(row)
+    return rows
+
+
+def generate_memory_figures(rows: list[dict]) -> dict:
+    """Per impl: cache bytes and peak RSS growth at the largest new-token count over the
+    smallest (1.0 = flat), and their differences in MiB."""
+    out = {}
+    for impl in GENERATE_MEMORY_IMPLS:
+        mine = sorted((r for r in rows if r["bench"] == "generate_memory"
+                       and r["impl"] == impl), key=lambda r: r["new_tokens"])
+        if len(mine) < 2:
+            continue
+        lo, hi = mine[0], mine[-1]
+        tag = f"generate_memory_{impl}_N{hi['new_tokens']}_vs_N{lo['new_tokens']}"
+        for field in ("cache_bytes", "peak_rss_growth_bytes"):
+            out[f"{tag}_{field.removesuffix('_bytes')}_MiB"] = (hi[field] - lo[field]) / 2**20
     return out
