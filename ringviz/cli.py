@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     bench.add_argument("--plot-dir", default=None, help="also write the plots (PNG) here")
     bench.add_argument("--only", choices=PARTS, default=None,
-                       help="one part alone: 'sinks' (sinks_update, sinks_decode), 'generate' "
+                       help="one part alone: 'decode_step' (ring step vs attention alone), "
+                            "'sinks' (sinks_update, sinks_decode), 'generate' "
                             "(Gemma-3-270M generate(), ringviz.hf vs HF's caches), 'compiled' "
                             "(SmolLM2 ring generate, eager vs inductor) or 'generate_memory' "
                             "(SmolLM2 RSS after 20 and 2,000 tokens, ring vs HF default)")

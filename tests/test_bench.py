@@ -31,7 +31,8 @@ TINY = BenchConfig(update_windows=(8, 32), decode_windows=(8, 16), batch=2, kv_h
                    q_heads=4, head_dim=8, reps=2, warmup=1, min_sample_s=1e-4,
                    memory_window=16, memory_steps=200, memory_growing_steps=50, model=False,
                    sink_windows=(8, 32), sinks=2, sink_kv_heads=2, sink_q_heads=4,
-                   sink_head_dim=8, generate=False, decode_batches=(1, 2))
+                   sink_head_dim=8, generate=False, compiled=False, generate_memory=False,
+                   decode_batches=(1, 2))
 ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads": int,
               "head_dim": int, "dtype": str, "device": str, "median_us": float,
               "p10_us": float, "p90_us": float, "reps": int}
@@ -106,12 +107,14 @@ def _median(result: dict, bench: str, impl: str, window: int) -> float:
 def test_figures_divide_the_right_rows():
     rows = [{"bench": "update", "impl": "ring", "window": 8, "median_us": 2.0},
             {"bench": "update", "impl": "hf_dynamic", "window": 8, "median_us": 3000.0},
-            {"bench": "decode_step", "impl": "ring", "window": 8, "batch": 1, "median_us": 110.0},
+            {"bench": "decode_step", "impl": "ring", "window": 8, "batch": 1, "median_us": 110.0,
+             "p10_us": 105.0, "p90_us": 130.0},
             {"bench": "decode_step", "impl": "attention_only", "window": 8, "batch": 1,
-             "median_us": 100.0},
-            {"bench": "decode_step", "impl": "ring", "window": 8, "batch": 4, "median_us": 500.0},
+             "median_us": 100.0, "p10_us": 100.0, "p90_us": 100.0},
+            {"bench": "decode_step", "impl": "ring", "window": 8, "batch": 4, "median_us": 500.0,
+             "p10_us": 500.0, "p90_us": 500.0},
             {"bench": "decode_step", "impl": "attention_only", "window": 8, "batch": 4,
-             "median_us": 400.0},
+             "median_us": 400.0, "p10_us": 400.0, "p90_us": 400.0},
             {"bench": "model", "impl": "ring", "tokens_per_s": 12.0, "tokens_match": True},
             {"bench": "model", "impl": "hf_default", "tokens_per_s": 10.0,
              "tokens_match": True}]
@@ -119,6 +122,8 @@ def test_figures_divide_the_right_rows():
     assert f["update_hf_dynamic_over_ring_W8"] == 1500.0
     assert math.isclose(f["decode_ring_over_attention_only_W8_B1"], 1.1)
     assert math.isclose(f["decode_ring_over_attention_only_W8_B4"], 1.25)  # each batch its own
+    assert (f["decode_ring_over_attention_only_W8_B1_p10"],
+            f["decode_ring_over_attention_only_W8_B1_p90"]) == (1.05, 1.3)
     assert math.isclose(f["model_ring_over_hf_tokens_per_s"], 1.2)
     assert "update_ring_W8_over_W8" not in f and "memory_ring_steps" not in f
 
@@ -179,10 +184,11 @@ def test_the_contract_configurations():
 @pytest.mark.parametrize("part", PARTS)
 def test_only_keeps_one_part(part):
     config = only(FULL, part)
-    kept = {"sinks": bool(config.sink_windows), "generate": config.generate,
+    kept = {"decode_step": bool(config.decode_windows), "sinks": bool(config.sink_windows),
+            "generate": config.generate,
             "compiled": config.compiled, "generate_memory": config.generate_memory}
     assert kept == {p: p == part for p in PARTS}
-    assert not (config.update_windows or config.decode_windows or config.memory or config.model)
+    assert not (config.update_windows or config.memory or config.model)
 
 
 def test_compiled_and_memory_figures_divide_the_right_rows():

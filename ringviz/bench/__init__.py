@@ -88,7 +88,7 @@ class BenchConfig:
 FULL = BenchConfig()
 QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
                 model=False, generate=False, compiled=False, generate_memory=False)
-PARTS = ("sinks", "generate", "compiled", "generate_memory")  # what ``--only`` can keep
+PARTS = ("decode_step", "sinks", "generate", "compiled", "generate_memory")  # ``--only`` keeps one
 
 
 def only(config: BenchConfig, part: str) -> BenchConfig:
@@ -97,6 +97,8 @@ def only(config: BenchConfig, part: str) -> BenchConfig:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     rest = replace(config, update_windows=(), decode_windows=(), memory=False, model=False,
                    sink_windows=(), generate=False, compiled=False, generate_memory=False)
+    if part == "decode_step":
+        return replace(rest, decode_windows=config.decode_windows)
     if part == "sinks":
         return replace(rest, sink_windows=config.sink_windows)
     return replace(rest, **{part: True})

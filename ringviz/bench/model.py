@@ -22,7 +22,7 @@ def _hf_decode(model, ids: torch.Tensor):
     state = {"cache": out.past_key_values}
 
     def step(token: torch.Tensor) -> torch.Tensor:
-        res = model(input_ids=token[:, None], past_key_values=state["cache"], use_cache=True)
+        res = model(input_ids=token[:, None], cache=state["cache"], use_cache=True)
         state["cache"] = res.past_key_values
         return res.logits[:, -1]  # (B, vocab)
 

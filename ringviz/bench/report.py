@@ -10,10 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def _median(rows: Sequence[dict], bench: str, impl: str, window: int) -> float | None:
+def _median(rows: Sequence[dict], bench: str, impl: str, window: int,
+            stat: str = "median_us") -> float | None:
     for r in rows:
         if r["bench"] == bench and r["impl"] == impl and r["window"] == window:
-            return r["median_us"]
+            return r[stat]
     return None
 
 
@@ -39,7 +40,11 @@ def _update_figures(rows: Sequence[dict]) -> dict:
 
 
 def _decode_figures(rows: Sequence[dict]) -> dict:
-    """Per batch size B and window W: ring over attention alone, naive_cat over ring."""
+    """Per batch size B and window W: ring over attention alone, naive_cat over ring.
+
+    Ring over attention alone also as the ratio of the two p10s and of the two p90s
+    (``..._p10``, ``..._p90``): how far the ratio moves over the repetitions.
+    """
     out = {}
     decode = [r for r in rows if r["bench"] == "decode_step"]
     for b in sorted({r["batch"] for r in decode}):
@@ -52,6 +57,11 @@ def _decode_figures(rows: Sequence[dict]) -> dict:
                 if ring and other:
                     out[f"{key}_W{w}_B{b}"] = (ring / other if impl == "attention_only"
                                                else other / ring)
+            if ring and _median(at_b, "decode_step", "attention_only", w):
+                for stat in ("p10", "p90"):
+                    out[f"decode_ring_over_attention_only_W{w}_B{b}_{stat}"] = (
+                        _median(at_b, "decode_step", "ring", w, f"{stat}_us")
+                        / _median(at_b, "decode_step", "attention_only", w, f"{stat}_us"))
     return out
 
 
