@@ -303,13 +303,12 @@ class RingKVCache:
         return self.attend_keys(q, q_positions, self.k, self.v, mask, scale)
 
     def attend_keys(self, q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tensor,
-                    values: torch.Tensor, mask: torch.Tensor, scale: float | None, *,
-                    empty: torch.Tensor | None = None) -> torch.Tensor:
+                    values: torch.Tensor, mask: torch.Tensor, scale: float | None
+                    ) -> torch.Tensor:
         """Masked attention over ``keys`` whose first ``S`` are the sink slots, in this cache's
-        sink convention (the storage, or :meth:`keys_with_chunk`'s keys; ringviz.hf calls it).
-        ``empty`` (B, T): the query rows known to see nothing (:func:`masked_attention`)."""
+        sink convention (the storage, or :meth:`keys_with_chunk`'s keys; ringviz.hf calls it)."""
         if self.sink_rope is None:
-            return masked_attention(q, keys, values, mask, scale=scale, empty=empty)
+            return masked_attention(q, keys, values, mask, scale=scale)
         sink_keys = rotate_sinks(keys[:, :, :self.sinks], q_positions, self.window,
                                  self.sink_rope)
         return sink_attention(q, keys, values, mask, sink_keys, scale=scale)

@@ -105,6 +105,29 @@ def test_gqa_head_h_reads_kv_head_h_div_group(device):
     assert torch.allclose(out[0, :, :, 0], want[:, None].expand(-1, 5))
 
 
+@pytest.mark.parametrize("T", [1, 5])
+def test_masked_attention_empty_rows_given_or_found_agree(device, T):
+    """Rows named in ``empty`` come out zero, exactly as when found from the mask; GQA of 3."""
+    from ringviz.cache import masked_attention
+
+    gen = torch.Generator().manual_seed(0)
+    B, Hkv, G, Tk, D = 2, 2, 3, 7, 4
+    q, k, v = (torch.randn(*s, generator=gen, dtype=torch.float64).to(device)
+               for s in ((B, Hkv * G, T, D), (B, Hkv, Tk, D), (B, Hkv, Tk, D)))
+    mask = torch.rand(B, T, Tk, generator=gen).to(device) < 0.6
+    mask[:, :, 0] = True
+    mask[1, T - 1] = False  # row 1's last query sees nothing
+    empty = ~mask.any(dim=-1)  # (B, T)
+    found = masked_attention(q, k, v, mask)
+    given = masked_attention(q, k, v, mask, empty=empty)
+    assert torch.equal(found, given)
+    assert (given[1, :, T - 1] == 0).all()
+    ref = torch.softmax((q @ k.repeat_interleave(G, 1).transpose(-1, -2)) / D ** 0.5
+                        + torch.where(mask[:, None], 0.0, float("-inf")), dim=-1)
+    ref = torch.nan_to_num(ref) @ v.repeat_interleave(G, 1)
+    torch.testing.assert_close(given, ref, rtol=0, atol=1e-12)
+
+
 def test_decode_writes_exactly_one_slot_per_row(device):
     B, W, D = 3, 8, 4
     q, k, v, pos = make_inputs(B, 2, 2, 20, D, device)
