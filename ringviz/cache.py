@@ -245,13 +245,8 @@ class RingKVCache:
 
     # ------------------------------------------------------------------ the ring
     def _slots(self, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Slot of a token: a sink at ``pos``, others at ``S + pos % capacity``, dropped: spare."""
-        if self.sinks:
-            home = torch.where(positions < self.sinks, positions,
-                               self.sinks + positions % self.capacity)
-        else:
-            home = positions % self.capacity
-        return torch.where(keep, home, self._spare)
+        """Slot of a token: its :func:`home_slots` slot if kept, the spare if dropped."""
+        return torch.where(keep, home_slots(positions, self.sinks, self.capacity), self._spare)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
               check: bool = True) -> None:
@@ -436,6 +431,18 @@ class RingKVCache:
                 f"sinks={self.sinks}, "
                 f"sink_rope={getattr(self.sink_rope, '__name__', self.sink_rope)}, "
                 f"dtype={self.dtype}, device={self.device})")
+
+
+def home_slots(positions: torch.Tensor, sinks: int, capacity: int) -> torch.Tensor:
+    """The slot position ``pos`` is stored in: a sink's own slot ``pos`` if ``pos < sinks``,
+    else ``sinks + pos % capacity`` (``pos % capacity`` without sinks).
+
+    >>> home_slots(torch.tensor([0, 1, 5, 9]), sinks=2, capacity=4).tolist()
+    [0, 1, 3, 3]
+    """
+    if not sinks:
+        return positions % capacity
+    return torch.where(positions < sinks, positions, sinks + positions % capacity)
 
 
 def chunk_key_positions(stored: torch.Tensor, positions: torch.Tensor, sinks: int

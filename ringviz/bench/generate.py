@@ -30,6 +30,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -60,13 +62,21 @@ def _call(impl: str, model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     return model.generate(ids, **kwargs)
 
 
-def _timed(impl: str, model, ids: torch.Tensor, new_tokens: int,
-           device: torch.device) -> tuple[torch.Tensor, float]:
+def _timed(call: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
+    """``call()``'s output and wall seconds, the device synchronised on both sides."""
     _sync(device)
     t0 = time.perf_counter()
-    out = _call(impl, model, ids, new_tokens)
+    out = call()
     _sync(device)
     return out, time.perf_counter() - t0
+
+
+def _paired_ratios(key: str, numerator_s: list[float], denominator_s: list[float]) -> dict:
+    """``key``: median of the per-repetition ratios ``numerator / denominator`` (seconds, so a
+    tokens/s ratio of the denominator's path over the numerator's); ``key_min``, ``key_max``."""
+    ratio = np.asarray(numerator_s) / np.asarray(denominator_s)
+    return {key: float(np.median(ratio)), f"{key}_min": float(ratio.min()),
+            f"{key}_max": float(ratio.max())}
 
 
 @torch.no_grad()
@@ -92,7 +102,7 @@ def generate_rows(*, name: str = "gemma3", prompt_tokens: int, cases: tuple[tupl
         for r in range(reps):
             order = GENERATE_IMPLS[r % 3:] + GENERATE_IMPLS[:r % 3]
             for impl in order:
-                outputs[impl], dt = _timed(impl, model, ids, new_tokens, device)
+                outputs[impl], dt = _timed(partial(_call, impl, model, ids, new_tokens), device)
                 seconds[impl].append(dt)
             log(f"generate B={batch} N={new_tokens} rep {r + 1}/{reps}: " + ", ".join(
                 f"{impl} {seconds[impl][-1]:.1f} s" for impl in GENERATE_IMPLS))
@@ -119,14 +129,10 @@ def generate_figures(rows: list[dict]) -> dict:
               and (r["batch"], r["new_tokens"]) == (batch, n)}
         if "ring" not in by:
             continue
-        ring = np.asarray(by["ring"]["seconds"])
         for impl in ("hf_default", "hf_static"):
-            if impl not in by:
-                continue
-            ratio = np.asarray(by[impl]["seconds"]) / ring  # tokens/s ratio, per repetition
-            key = f"generate_ring_over_{impl}_B{batch}_N{n}"
-            out.update({key: float(np.median(ratio)), f"{key}_min": float(ratio.min()),
-                        f"{key}_max": float(ratio.max())})
+            if impl in by:
+                out.update(_paired_ratios(f"generate_ring_over_{impl}_B{batch}_N{n}",
+                                          by[impl]["seconds"], by["ring"]["seconds"]))
         out[f"generate_tokens_match_B{batch}_N{n}"] = all(
             r["tokens_match_ring"] for r in by.values())
     return out
@@ -177,11 +183,7 @@ def compiled_rows(*, name: str = "smollm2", window: int = 256, prompt_tokens: in
         raise ValueError(f"RingCache({name}, window={window}) is not compileable")
 
     def timed(way: str) -> tuple[torch.Tensor, float]:
-        _sync(device)
-        t0 = time.perf_counter()
-        out = hf.generate(model, ids, window=window, **kwargs[way])
-        _sync(device)
-        return out, time.perf_counter() - t0
+        return _timed(partial(hf.generate, model, ids, window=window, **kwargs[way]), device)
 
     timed("eager")  # untimed: faults the weights in
     graphs_before = _graphs_compiled()
@@ -213,10 +215,8 @@ def compiled_figures(rows: list[dict]) -> dict:
     by = {r["impl"]: r for r in rows if r["bench"] == "generate_compiled"}
     if set(by) != set(COMPILED_IMPLS):
         return {}
-    ratio = np.asarray(by["ring_eager"]["seconds"]) / np.asarray(by["ring_inductor"]["seconds"])
-    key = "generate_compiled_inductor_over_eager"
-    return {key: float(np.median(ratio)), f"{key}_min": float(ratio.min()),
-            f"{key}_max": float(ratio.max()),
+    return {**_paired_ratios("generate_compiled_inductor_over_eager",
+                             by["ring_eager"]["seconds"], by["ring_inductor"]["seconds"]),
             "generate_compiled_tokens_match": by["ring_inductor"]["tokens_match_eager"],
             "generate_compiled_recompiles": by["ring_inductor"]["graphs_compiled_while_timed"]}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ringviz.cache import RingKVCache, Rope, chunk_key_positions
+from ringviz.cache import RingKVCache, Rope, chunk_key_positions, home_slots
 
 NOT_THROUGH_GENERATE = (
     "a RingCache's masks must come from its stored positions, but this forward used Hugging "
@@ -104,7 +104,7 @@ class RingLayer(CacheLayerMixin):
         if chunk:  # [sinks | ring | chunk], as RingKVCache.keys_with_chunk returns them
             return chunk_key_positions(before, q_positions, S)
         q = q_positions  # (B, 1): its slot now holds it, as RingKVCache.write puts it
-        home = torch.where(q < S, q, S + q % self.window) if S else q % self.window
+        home = home_slots(q, S, self.window)  # (B, 1)
         return torch.where(torch.arange(n, device=before.device) == home, q, before)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -147,6 +147,7 @@ class FullLayer(CacheLayerMixin):
         self.capacity_hint = 0  # tokens to allocate for at first use (set by generate)
         self._k_store: torch.Tensor | None = None
         self._v_store: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # (B,) row indices, made with the storage
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, T, D = key_states.shape
@@ -162,6 +163,7 @@ class FullLayer(CacheLayerMixin):
         self._v_store[:, :, :n] = v_old
         self.capacity = capacity
         self.keys, self.values = self._k_store[:, :, :capacity], self._v_store[:, :, :capacity]
+        self._rows = torch.arange(B, device=k_old.device)  # row index of a decode write
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                positions: torch.Tensor | None = None, **kwargs
@@ -178,9 +180,8 @@ class FullLayer(CacheLayerMixin):
                            max(need, 2 * self.capacity))
         slot = torch.where(positions >= 0, positions, self.capacity)  # (B, T); spare for pads
         if T == 1:
-            rows = torch.arange(B, device=slot.device)
-            self._k_store[rows, :, slot[:, 0]] = key_states[:, :, 0]
-            self._v_store[rows, :, slot[:, 0]] = value_states[:, :, 0]
+            self._k_store[self._rows, :, slot[:, 0]] = key_states[:, :, 0]
+            self._v_store[self._rows, :, slot[:, 0]] = value_states[:, :, 0]
         else:
             self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key_states)
             self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value_states)
