@@ -81,6 +81,7 @@ tensor([[ 0,  0,  1, 15]])
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -133,6 +134,9 @@ class RingKVCache:
         # newest position per row: kept beside the ring so a decode step never scans all W slots
         self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.k.device)
         self._rows = torch.arange(batch_size, device=self.k.device)  # row index of a decode write
+        # What the cache was told about its rows' runs (_Runs): when every row holds its last
+        # `capacity` positions, a decode step needs no mask. Known without reading positions.
+        self._runs = _Runs(batch_size, self.capacity, self.k.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -186,28 +190,38 @@ class RingKVCache:
         self._v_store.zero_()
         self._pos_store.fill_(-1)
         self._last_pos.fill_(-1)
+        self._runs.forget()
 
     # ------------------------------------------------------------------ validation
-    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Raise on any malformed input, before anything is written."""
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> _Told:
+        """Raise on any malformed input, before anything is written; else what it tells."""
         check_kv(k, v, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
                  head_dim=self.head_dim, dtype=self.dtype, device=self.device)
-        self._check_positions(check_tensor("positions", positions, self.device), k.shape[2])
+        return self._check_positions(check_tensor("positions", positions, self.device),
+                                     k.shape[2])
 
-    def _check_positions(self, positions: torch.Tensor, T: int) -> None:
+    def _check_positions(self, positions: torch.Tensor, T: int) -> _Told:
+        """Raise unless ``positions`` (B, T) can be written next; return what they tell the
+        rows' runs (:class:`_Runs`), learned in the same one host sync."""
         if positions.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"positions must be int64 or int32, got {positions.dtype}")
         if positions.shape != (self.batch_size, T):
             raise ValueError(
                 f"positions must be (B, T) = {(self.batch_size, T)}, got {tuple(positions.shape)}")
+        positions = positions.to(torch.int64)
+        # the decode loop's case: every row's newest + 1 (valid, and every run grows by one)
+        if T == 1 and torch.equal(positions[:, 0], self._last_pos + 1):  # one host sync
+            return self._runs.grown(1)
         before = self._last_pos[:, None]  # (B, 1) newest position stored so far, >= -1
         if T > 1:  # ... or earlier in this chunk
             running = torch.cummax(positions.clamp_min(-1), dim=1).values
             before = torch.cat([before, torch.maximum(running[:, :-1], before)], dim=1)
         # all but padding must come after `before` (>= -1): this also refuses -2, -3, ...
         bad = (positions <= before) & (positions != -1)  # (B, T)
-        if not bool(bad.any()):  # the only host sync of a valid call
-            return
+        runs = self._runs.after(positions, before)  # (B,)
+        n_bad, least = torch.stack([bad.sum(), runs.min()]).tolist()  # one host sync
+        if not n_bad:
+            return _Told(rows=runs, least=least)
         if bool((positions < -1).any()):
             raise ValueError("positions must be >= 0, or -1 for padding; got other negatives")
         b, t = (int(i) for i in bad.nonzero()[0])
@@ -240,8 +254,7 @@ class RingKVCache:
                    positions: torch.Tensor, *, scale: float | None = None) -> None:
         """Raise exactly what :meth:`step` would reject, writing nothing."""
         check_scale(scale)
-        self._check_kv(k, v, positions)
-        self._check_q(q, k.shape[2])
+        self._told(k, v, positions, check=True, contiguous=False, q=q)
 
     # ------------------------------------------------------------------ the ring
     def _slots(self, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -249,18 +262,44 @@ class RingKVCache:
         return torch.where(keep, home_slots(positions, self.sinks, self.capacity), self._spare)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
-              check: bool = True) -> None:
+              check: bool = True, contiguous: bool = False) -> None:
         """Write ``T`` tokens per row into slots ``pos % capacity``; keep each row's last C.
 
         Positions below ``sinks`` go to their sink slots instead, kept for good. Tokens of a
         chunk that would be overwritten by a later token of the same chunk, and
         padding (-1), are not stored. ``check=False`` skips validation (and its host sync),
-        for CUDA-graph capture of a trusted decode loop.
+        for CUDA-graph capture of a trusted decode loop; ``contiguous=True`` then vouches that
+        every row's positions are its newest + 1, + 2, ... (no padding, no gap), which is what
+        lets a trusted loop's full ring decode without a mask (:meth:`step`).
         """
-        if check:
-            self._check_kv(k, v, positions)
-        positions = positions.to(torch.int64)
+        self._write(k, v, positions.to(torch.int64),
+                    self._told(k, v, positions, check=check, contiguous=contiguous))
+
+    def _told(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, check: bool,
+              contiguous: bool, q: torch.Tensor | None = None) -> _Told:
+        """Validate a call (``check``), or take the caller's word: what it tells the runs."""
+        if not check:
+            return self._runs.grown(k.shape[2]) if contiguous else _Told()
+        told = self._check_kv(k, v, positions)
+        if q is not None:
+            self._check_q(q, k.shape[2])
+        if contiguous and not told.next:
+            raise ValueError("contiguous=True, but some row's positions are not its newest + 1, "
+                             "+ 2, ... (padding or a gap)")
+        return told
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+               told: _Told) -> None:
+        """:meth:`write` of trusted int64 ``positions``, then the runs take what ``told`` says."""
         B, H, T, D = k.shape
+        if T == 1 and told.next and not self.sinks:  # every row's newest + 1: stored, no guard
+            slot = positions[:, 0] % self.capacity  # (B,)
+            self._k_store[self._rows, :, slot] = k[:, :, 0]  # (B, n_kv_heads, head_dim)
+            self._v_store[self._rows, :, slot] = v[:, :, 0]
+            self._pos_store[self._rows, slot] = positions[:, 0]
+            self._last_pos.copy_(positions[:, 0])
+            self._runs.commit(told)
+            return
         if T == 1:  # decode: a real token is always the row's newest, so it is always kept
             newest = torch.maximum(self._last_pos, positions[:, 0])  # (B,)
             keep = positions >= 0
@@ -282,6 +321,16 @@ class RingKVCache:
             self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), v)
             self._pos_store.scatter_(1, slot, positions)
         self._last_pos.copy_(newest)
+        self._runs.commit(told)
+
+    @property
+    def window_full(self) -> bool:
+        """True when the cache knows, on the host, that every row holds its last ``window``
+        positions and nothing else: a decode query at each row's next position then sees every
+        stored key, and :meth:`step` attends without a mask. Needs ``sinks=0`` and
+        ``capacity == window`` (spare slots hold keys that have left the window)."""
+        return (not self.sinks and self.capacity == self.window
+                and self._runs.least >= self.capacity)
 
     def attend(self, q: torch.Tensor, q_positions: torch.Tensor, *,
                scale: float | None = None) -> torch.Tensor:
@@ -322,23 +371,29 @@ class RingKVCache:
         return sink_k, sink_v
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-             *, scale: float | None = None, check: bool = True) -> torch.Tensor:
+             *, scale: float | None = None, check: bool = True,
+             contiguous: bool = False) -> torch.Tensor:
         """Attend ``T`` new tokens per row to their windows and store them: ``(B, Hq, T, D)``.
 
         ``check=False`` skips the tensor checks (and their one host sync) for a trusted loop;
-        ``scale`` is checked either way (plain Python, no sync).
+        ``scale`` is checked either way (plain Python, no sync). ``contiguous=True`` vouches
+        that every row's positions are its newest + 1, + 2, ... (a validated call finds it out
+        in its own sync). A decode step at every row's next position into a ring that was
+        already full (:attr:`window_full` after the write) is one slot write and attention over
+        the raw ring with no mask: every stored key is inside every query's window, bit for
+        bit what the mask gives.
         """
-        if check:
-            self.check_step(q, k, v, positions, scale=scale)
-        else:
-            check_scale(scale)
+        check_scale(scale)
+        told = self._told(k, v, positions, check=check, contiguous=contiguous, q=q)
         positions = positions.to(torch.int64)
         if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
-            self.write(k, v, positions, check=False)
+            self._write(k, v, positions, told)
+            if told.next and self.window_full:  # every key in every query's window
+                return unmasked_attention(q, self.k, self.v, scale=scale)
             mask = self._decode_mask(positions)  # (B, 1, S + C)
             return self.attend_keys(q, positions, self.k, self.v, mask, scale)
         out = self.attend_chunk(q, k, v, positions, scale=scale)
-        self.write(k, v, positions, check=False)
+        self._write(k, v, positions, told)
         return out
 
     def attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -390,6 +445,7 @@ class RingKVCache:
         lengths = lengths.to(torch.int64)
         self._pos_store.masked_fill_(self._pos_store >= lengths[:, None], -1)
         torch.minimum(self._last_pos, lengths - 1, out=self._last_pos)
+        self._runs.commit(_Told())  # how many of each row's positions are left is not known
 
     def missing_positions(self, lengths: torch.Tensor) -> list[list[int]]:
         """Per row b: positions a query at ``lengths[b]`` needs, ``lengths[b] - W + 1 ..
@@ -431,6 +487,71 @@ class RingKVCache:
                 f"sinks={self.sinks}, "
                 f"sink_rope={getattr(self.sink_rope, '__name__', self.sink_rope)}, "
                 f"dtype={self.dtype}, device={self.device})")
+
+
+@dataclass(frozen=True)
+class _Told:
+    """What one call tells a cache about its rows' runs (:class:`_Runs`).
+
+    ``grow > 0``: the call's ``grow`` tokens are every row's next positions (``next``);
+    ``rows``: each row's run after the call, found on the device by validation; neither: the
+    positions were not looked at (a trusted call), so nothing is known.
+    """
+
+    grow: int = 0
+    rows: torch.Tensor | None = None  # (B,)
+    least: int = 0  # smallest run after the call (host)
+
+    @property
+    def next(self) -> bool:
+        return self.grow > 0
+
+
+class _Runs:
+    """Each row's run: how many of its newest positions are consecutive, up to ``capacity``.
+
+    A row whose run is ``capacity`` holds exactly positions ``newest - C + 1 .. newest``.
+    ``least``, the smallest run over the rows, is a host int kept from what the cache was told,
+    never read back in a decode step: a call at every row's next positions (validation's one
+    host sync found it, or ``contiguous=True`` vouched it) adds its T tokens to every run and
+    touches no tensor; another validated call computes the runs on the device and reads their
+    minimum in the validation's sync; a trusted call, ``truncate`` and ``reset`` forget.
+    """
+
+    def __init__(self, batch_size: int, capacity: int, device: torch.device) -> None:
+        self.capacity = capacity
+        self.least = 0
+        self._rows = torch.zeros(batch_size, dtype=torch.int64, device=device)  # at last look
+        self._since = 0  # tokens every row has grown by since then
+        self._known = False  # whether _rows holds runs (else they are read as 0)
+
+    def grown(self, T: int) -> _Told:
+        """A call of ``T`` tokens at every row's next positions."""
+        return _Told(grow=T, least=min(self.capacity, self.least + T))
+
+    def after(self, positions: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` runs once validated ``positions`` (B, T) are written; ``before`` (B, T) is
+        each token's previous position in its row (-1 for none)."""
+        real = positions >= 0
+        gap = real & (positions != before + 1)  # a real token not right after its row's last
+        seg = gap.cumsum(dim=1)  # (B, T): gaps so far
+        tail = (real & (seg == seg[:, -1:])).sum(dim=1)  # real tokens from the last gap on
+        now = (self._rows if self._known else torch.zeros_like(self._rows)) + self._since
+        return torch.where(seg[:, -1] == 0, now + tail, tail).clamp_max(self.capacity)
+
+    def commit(self, told: _Told) -> None:
+        """Take what a call that has now been written told."""
+        if told.next:
+            self._since += told.grow
+        elif told.rows is not None:
+            self._rows.copy_(told.rows)
+            self._since, self._known = 0, True
+        else:
+            self._since, self._known = 0, False
+        self.least = told.least
+
+    def forget(self) -> None:
+        self.commit(_Told())
 
 
 def home_slots(positions: torch.Tensor, sinks: int, capacity: int) -> torch.Tensor:
@@ -497,6 +618,18 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     # in place on SDPA's fresh output (saves a copy per call), unless autograd needs it
     out = out.masked_fill(empty, 0.0) if out.requires_grad else out.masked_fill_(empty, 0.0)
     return out.view(B, Hq, T, D)  # (B, Hq, T, head_dim)
+
+
+def unmasked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                       scale: float | None = None) -> torch.Tensor:
+    """Decode queries ``(B, Hq, 1, D)`` over every key: :func:`masked_attention` with a mask
+    that is all True, without the mask. The same packed GQA view and SDPA call, so on the CPU
+    the same bits (torch 2.13's CPU kernel gives an all-True boolean mask and no mask the same
+    result; ``tests/test_cache.py`` pins it)."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv * T, D), k, v, scale=scale)
+    return out.view(B, Hq, T, D)
 
 
 def check_sink_rope(rope: object, sinks: int, head_dim: int, dtype: torch.dtype,
