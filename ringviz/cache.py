@@ -134,7 +134,13 @@ class RingKVCache:
         self.positions = self._pos_store[:, :n]  # (B, S + capacity), -1 = empty
         # newest position per row: kept beside the ring so a decode step never scans all W slots
         self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.k.device)
-        self._rows = torch.arange(batch_size, device=self.k.device)  # row index of a decode write
+        # A decode write is one index_copy_ per tensor into these flat views (measured about
+        # half the cost of an advanced-index assignment): storage row of slot 0 per (row, head)
+        self._k_rows = self._k_store.view(-1, head_dim)  # (B * n_kv_heads * (S + C + 1), D)
+        self._v_rows = self._v_store.view(-1, head_dim)
+        self._head_base = torch.arange(batch_size * num_kv_heads, device=self.k.device).view(
+            batch_size, num_kv_heads) * (n + 1)
+        self._pos_base = torch.arange(batch_size, device=self.k.device) * (n + 1)
         # What the cache was told about its rows' runs (_Runs): when every row holds its last
         # `capacity` positions, a decode step needs no mask. Known without reading positions.
         self._runs = _Runs(batch_size, self.capacity, self.k.device)
@@ -254,8 +260,9 @@ class RingKVCache:
     def _told(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, check: bool,
               contiguous: bool, q: torch.Tensor | None = None) -> _Told:
         """Validate a call (``check``), or take the caller's word: what it tells the runs."""
-        if not check:
-            return self._runs.grown(k.shape[2]) if contiguous else _Told()
+        if not check:  # (under torch.compile, a host int read in the graph would recompile it)
+            vouched = contiguous and not torch.compiler.is_compiling()
+            return self._runs.grown(k.shape[2]) if vouched else _Told()
         told = self._check_kv(k, v, positions)
         if q is not None:
             self._check_q(q, k.shape[2])
@@ -269,10 +276,7 @@ class RingKVCache:
         """:meth:`write` of trusted int64 ``positions``, then the runs take what ``told`` says."""
         B, H, T, D = k.shape
         if T == 1 and told.next and not self.sinks:  # every row's newest + 1: stored, no guard
-            slot = positions[:, 0] % self.capacity  # (B,)
-            self._k_store[self._rows, :, slot] = k[:, :, 0]  # (B, n_kv_heads, head_dim)
-            self._v_store[self._rows, :, slot] = v[:, :, 0]
-            self._pos_store[self._rows, slot] = positions[:, 0]
+            self._write_one(k, v, positions[:, 0], positions[:, 0] % self.capacity)
             self._last_pos.copy_(positions[:, 0])
             self._runs.commit(told)
             return
@@ -288,16 +292,22 @@ class RingKVCache:
         # kept ring tokens of a row span < C positions, so their slots are distinct; the rest
         # share the spare slot, whose contents are never read
         slot = self._slots(positions, keep)  # (B, T)
-        if T == 1:  # index_put: about half the cost of scatter_ for one token per row
-            self._k_store[self._rows, :, slot[:, 0]] = k[:, :, 0]  # (B, n_kv_heads, head_dim)
-            self._v_store[self._rows, :, slot[:, 0]] = v[:, :, 0]
-            self._pos_store[self._rows, slot[:, 0]] = positions[:, 0]
+        if T == 1:
+            self._write_one(k, v, positions[:, 0], slot[:, 0])
         else:
             self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), k)
             self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), v)
             self._pos_store.scatter_(1, slot, positions)
         self._last_pos.copy_(newest)
         self._runs.commit(told)
+
+    def _write_one(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   slot: torch.Tensor) -> None:
+        """Store one token per row, row b's in slot ``slot[b]``: ``(B,)`` positions and slots."""
+        rows = (self._head_base + slot[:, None]).view(-1)  # (B * n_kv_heads,) storage rows
+        self._k_rows.index_copy_(0, rows, k.reshape(-1, self.head_dim))
+        self._v_rows.index_copy_(0, rows, v.reshape(-1, self.head_dim))
+        self._pos_store.view(-1).index_copy_(0, self._pos_base + slot, positions)
 
     @property
     def window_full(self) -> bool:

@@ -189,20 +189,26 @@ def test_streamer_sees_every_token():
 
 def test_chunked_prefill_bounds_attention_size(monkeypatch):
     """A 60-token prompt in chunks of 7 through rings of 5: no attention over more than 12 keys."""
-    seen = []
-    real = attention.masked_attention
+    seen, unmasked = [], []
+    real, real_unmasked = attention.masked_attention, attention.unmasked_attention
 
     def spy(q, k, v, mask, **kwargs):
         seen.append((q.shape[2], k.shape[2]))
         return real(q, k, v, mask, **kwargs)
 
+    def spy_unmasked(q, k, v, **kwargs):
+        unmasked.append((q.shape[2], k.shape[2]))
+        return real_unmasked(q, k, v, **kwargs)
+
     monkeypatch.setattr(attention, "masked_attention", spy)
+    monkeypatch.setattr(attention, "unmasked_attention", spy_unmasked)
     model = tiny_llama()
     hf.generate(model, prompt(60), window=5, max_new_tokens=3, do_sample=False,
                 prefill_chunk_size=7)
     assert max(q for q, _ in seen) == 7 and max(k for _, k in seen) == 5 + 7
     assert seen[0] == (7, 7)  # the first chunk goes into an empty ring: its own keys only
-    assert {k for q, k in seen if q == 1} == {5}  # decode attends over the raw ring
+    # decode attends over the raw ring, full after the prompt: no mask, in both layers
+    assert all(q > 1 for q, _ in seen) and unmasked == [(1, 5)] * 2 * 2
 
 
 def test_masks_are_built_once_per_forward_per_layer_kind(monkeypatch):

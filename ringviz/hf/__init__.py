@@ -114,6 +114,9 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
         kwargs["cache_implementation"] = None  # would clash with cache=: the ring replaces it
     if input_ids is not None and config.max_new_tokens is not None:
         cache.reserve(input_ids.shape[-1] + config.max_new_tokens)
+    if input_ids is not None:  # generate appends one real token per row and step after it
+        mask = kwargs.get("attention_mask")
+        cache.prompt = (input_ids.shape[-1], 0 if mask is None else int(mask.sum(-1).min()))
     with ring_active(model, cache):
         return model.generate(input_ids, cache=cache, **kwargs)
 

@@ -15,7 +15,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ringviz.attention import masked_attention
+from ringviz.attention import masked_attention, unmasked_attention
 from ringviz.hf.cache import RingCache
 from ringviz.hf.layers import NOT_THROUGH_GENERATE, RingLayer
 from ringviz.models.drive import attention_implementation
@@ -67,7 +67,7 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                              "implement it")
         cache._checked_kinds.add(kind)
     positions = cache.new_positions(attention_mask, batch_size, q_length, torch.device(device))
-    cache.start_forward(positions)
+    cache.start_forward(positions, no_mask=attention_mask is None)
     return cache.build_mask(kind, positions)
 
 
@@ -87,6 +87,12 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             raise ValueError(f"attention argument {name!r} (soft-capping / learned sinks) is "
                              f"not implemented by the ring attention path")
     cache = _ACTIVE.cache
+    if cache is not None and cache.kinds[module.layer_idx] in cache.unmasked:
+        # every key of this layer is visible to the query (RingCache._plan): no mask
+        out = unmasked_attention(query, key, value, scale=scaling)
+        if not cache.step_real:  # a padding query sees nothing
+            out = out.masked_fill_(cache.padding[:, None, :, None], 0.0)
+        return out.transpose(1, 2), None
     if cache is not None and cache.sink_rope is not None:
         layer = cache.layers[module.layer_idx]
         if isinstance(layer, RingLayer):

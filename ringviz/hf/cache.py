@@ -56,6 +56,7 @@ class RingCache(Cache):
         super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope) if w else FullLayer()
                                  for w in windows])
         self.config = model.config
+        self.kinds = kinds  # per layer: the mask kind transformers builds for it
         self.window = windows_of(windows)
         self.sinks, self.sink_rope = sinks, sink_rope
         self.kind_layer: dict[str, int] = {}  # kind -> first layer of that kind
@@ -69,6 +70,14 @@ class RingCache(Cache):
         self.chunk_padded = False  # whether this forward's chunk (T > 1) has any padding
         self._updated = 0  # layers updated in the current forward
         self._checked_kinds: set[str] = set()
+        # What the cache was told, on the host (never read back in a decode step): columns so
+        # far, the fewest real tokens any row has, and generate's prompt (columns, fewest real)
+        # after which every column is a real token (generate appends one per row and step).
+        self._columns = 0
+        self._real_least = 0
+        self.prompt: tuple[int, int] | None = None
+        self.unmasked: frozenset[str] = frozenset()  # layer kinds attending without a mask
+        self.step_real = False  # whether every new token of this forward is known to be real
 
     @property
     def nbytes(self) -> int:
@@ -82,25 +91,77 @@ class RingCache(Cache):
         if positions is None or positions.shape != (key_states.shape[0], key_states.shape[2]):
             raise RuntimeError(NOT_THROUGH_GENERATE)
         out = self.layers[layer_idx].update(key_states, value_states, positions=positions,
-                                            padded=self.chunk_padded)
+                                            padded=self.chunk_padded, real=self.step_real)
         self._updated += 1
         if self._updated == len(self.layers):  # every write done: its positions are spent
             self._pending, self._updated = None, 0  # (padding stays for the last attention)
         return out
 
-    def start_forward(self, positions: torch.Tensor) -> None:
-        """Take ``positions`` (B, T) for the layers' writes in the forward about to run.
+    def start_forward(self, positions: torch.Tensor, *, no_mask: bool = False) -> None:
+        """Take ``positions`` (B, T) for the layers' writes in the forward about to run, and
+        plan it (transformers asks once per layer kind; the first call plans).
 
-        A chunk asks once whether it holds padding (one host sync per prefill chunk, none per
-        decode step), so its layers can skip zeroing padded keys when there is none.
+        ``no_mask``: the forward came without an attention mask (every token real). A chunk
+        asks once whether it holds padding (one host sync per prefill chunk, none per decode
+        step), so its layers can skip zeroing padded keys when there is none. A decode step
+        whose rings all hold their last W positions attends without a mask (:meth:`_plan`).
         """
+        first = self._pending is None
         self._pending, self._updated = positions, 0
-        self.padding = positions < 0
-        self.chunk_padded = positions.shape[1] > 1 and bool(self.padding.any())
+        if first:
+            self.padding = positions < 0
+            self._plan(positions, no_mask)
+
+    def _plan(self, positions: torch.Tensor, no_mask: bool) -> None:
+        """Count what this forward tells the host and decide which layer kinds need a mask.
+
+        Every real token of a row takes the next position (``attention_mask.cumsum``), so a
+        ring is full, holding its last W positions, once its row has had W real tokens. The
+        host keeps a lower bound of the fewest real tokens of any row: +T for a forward known
+        to be all real (no mask, or a column after generate's prompt), a prefill chunk's own
+        bound read in the sync it makes anyway. A decode step then attends without a mask in
+        every sliding layer once that bound reaches W (no sinks), and in every full layer
+        while no row has had padding. Under torch.compile nothing is counted (a host int read
+        in the graph would recompile it every step): the masks stay, and the compiler fuses
+        them.
+        """
+        T = positions.shape[1]
+        self.chunk_padded, self.step_real, self.unmasked = T > 1, False, frozenset()
+        if torch.compiler.is_compiling():
+            self.chunk_padded = T > 1 and bool(self.padding.any())
+            return
+        before, self._columns = self._columns, self._columns + T
+        self.step_real = no_mask or (self.prompt is not None and before >= self.prompt[0])
+        if self.step_real:
+            self._real_least += T
+            self.chunk_padded = False
+        elif T > 1:  # the chunk's one host sync: padding, and the fewest real tokens of a row
+            padded, least = torch.stack([self.padding.any(),
+                                         (positions.amax(dim=1) + 1).min()]).tolist()
+            self.chunk_padded = bool(padded)
+            self._real_least = max(self._real_least, least)
+        if self.prompt is not None and self._columns >= self.prompt[0]:
+            self._real_least = max(self._real_least,
+                                   self.prompt[1] + self._columns - self.prompt[0])
+        if T == 1:
+            self.unmasked = frozenset(kind for kind, i in self.kind_layer.items()
+                                      if self._sees_everything(self.layers[i]))
+
+    def _sees_everything(self, layer: RingLayer | FullLayer) -> bool:
+        """Whether this decode step's query sees every key ``layer`` returns (host counts)."""
+        if isinstance(layer, RingLayer):  # full: every row holds its last W positions
+            return not layer.sinks and self._real_least >= layer.window
+        return self._real_least >= self._columns  # no row has had padding: slot j holds j
 
     def end_forward(self) -> None:
         """Forget the last forward's positions (a write without new ones is then refused)."""
         self._pending, self.padding, self.chunk_padded, self._updated = None, None, False, 0
+
+    def reset(self) -> None:
+        """Empty every layer; the host's counts start again."""
+        super().reset()
+        self._columns = self._real_least = 0
+        self.end_forward()
 
     def reserve(self, tokens: int) -> None:
         """Size the full layers for ``tokens`` at first use (they still grow past it)."""
@@ -130,8 +191,16 @@ class RingCache(Cache):
         return positions.masked_fill(~mask[:, -T:], -1)
 
     def build_mask(self, kind: str, q_positions: torch.Tensor) -> torch.Tensor:
-        """Bool ``(B, 1, T, K)`` visibility of the keys the layers of ``kind`` will return."""
+        """Bool ``(B, 1, T, K)`` visibility of the keys the layers of ``kind`` will return.
+
+        All True, a broadcast view with nothing computed, when this forward's plan found that
+        every key is visible (the attention then ignores it: :attr:`unmasked`).
+        """
         layer = self.layers[self.kind_layer[kind]]
+        if kind in self.unmasked:
+            B, T = q_positions.shape
+            K = layer.get_mask_sizes(T)[0]
+            return torch.ones((), dtype=torch.bool, device=q_positions.device).expand(B, 1, T, K)
         if isinstance(layer, RingLayer):
             keys = layer.key_positions(q_positions)
             return band_mask(q_positions, keys, layer.window, layer.sinks)[:, None]

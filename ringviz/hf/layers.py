@@ -49,8 +49,8 @@ class RingLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
-               positions: torch.Tensor | None = None, padded: bool = True, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+               positions: torch.Tensor | None = None, padded: bool = True, real: bool = False,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``T`` tokens; return the keys/values their queries attend over.
 
         ``T == 1``: write the slot, return the ring itself (``S + window`` keys, slot order).
@@ -58,7 +58,8 @@ class RingLayer(CacheLayerMixin):
         :meth:`RingKVCache.keys_with_chunk` (``[sinks | ring | chunk]``) as it was before the
         write (just the chunk into an empty ring without sinks, its padded keys zeroed unless
         ``padded=False`` says it has none), then write (a chunk's early queries still need keys
-        it overwrites).
+        it overwrites). ``real=True``: every token is real, so each row's is its next position
+        (the ring's trusted contiguous write).
         """
         if positions is None:
             raise RuntimeError(NOT_THROUGH_GENERATE)
@@ -66,7 +67,7 @@ class RingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         ring, T = self.ring, key_states.shape[2]
         if T == 1:
-            ring.write(key_states, value_states, positions, check=False)
+            ring.write(key_states, value_states, positions, check=False, contiguous=real)
             out = ring.k, ring.v
         elif not self.sinks and self.fresh():  # an empty ring adds W masked keys: chunk alone
             out = key_states, value_states
