@@ -3,11 +3,13 @@ work, memory bookkeeping right. Correctness only: no assertion depends on a timi
 
 import importlib.util
 import math
+from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
-from ringviz.bench import FULL, PARTS, QUICK, BenchConfig, only, run
+from ringviz.bench import FULL, PARTS, QUICK, BenchConfig, mlx_peer, only, run
 from ringviz.bench.cases import (
     DECODE_IMPLS,
     UPDATE_IMPLS,
@@ -33,6 +35,7 @@ TINY = BenchConfig(update_windows=(8, 32), decode_windows=(8, 16), batch=2, kv_h
                    sink_windows=(8, 32), sinks=2, sink_kv_heads=2, sink_q_heads=4,
                    sink_head_dim=8, generate=False, compiled=False, generate_memory=False,
                    decode_batches=(1, 2))
+PEER_IMPLS = (mlx_peer.IMPL, mlx_peer.ATTENTION_IMPL)
 ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads": int,
               "head_dim": int, "dtype": str, "device": str, "median_us": float,
               "p10_us": float, "p90_us": float, "reps": int}
@@ -50,12 +53,15 @@ def test_every_row_is_present_and_typed(tiny_run):
     assert {("decode_step", i, w) for i in DECODE_IMPLS for w in TINY.decode_windows} <= keys
     decode = {(r["impl"], r["window"], r["batch"]) for r in tiny_run["rows"]
               if r["bench"] == "decode_step"}
-    assert decode == {(i, w, b) for i in DECODE_IMPLS for w in TINY.decode_windows
+    assert decode == {(i, w, b) for i in DECODE_IMPLS + PEER_IMPLS for w in TINY.decode_windows
                       for b in TINY.decode_batches}
     for bench in ("sinks_update", "sinks_decode"):
         assert {(bench, i, w) for i in SINK_IMPLS for w in TINY.sink_windows} <= keys
     assert {r["impl"] for r in tiny_run["rows"] if r["bench"] == "memory"} == {"ring", "growing"}
     for row in tiny_run["rows"]:
+        if "skipped" in row:  # the peer where mlx cannot run: it says why, and has no times
+            assert row["impl"] in PEER_IMPLS and mlx_peer.skip_reason("cpu") == row["skipped"]
+            continue
         for name, kind in ROW_FIELDS.items():
             assert isinstance(row[name], kind), (name, row)
         assert 0 < row["p10_us"] <= row["median_us"] <= row["p90_us"], row
@@ -123,7 +129,12 @@ def test_figures_divide_the_right_rows():
     assert math.isclose(f["decode_ring_over_attention_only_W8_B1"], 1.1)
     assert math.isclose(f["decode_ring_over_attention_only_W8_B4"], 1.25)  # each batch its own
     assert (f["decode_ring_over_attention_only_W8_B1_p10"],
-            f["decode_ring_over_attention_only_W8_B1_p90"]) == (1.05, 1.3)
+            f["decode_ring_over_attention_only_W8_B1_p90"]) == (1.05, 1.3)  # no samples: p/p
+    paired = figures([{**r, "samples_us": s} for r, s in zip(rows[2:4], ([110.0, 220.0, 99.0],
+                                                                         [100.0, 100.0, 90.0]))])
+    # block by block: 1.1, 2.2, 1.1 (the p90 of the samples' ratio, not of ratio of p90s)
+    assert math.isclose(paired["decode_ring_over_attention_only_W8_B1_p10"], 1.1)
+    assert math.isclose(paired["decode_ring_over_attention_only_W8_B1_p90"], 1.1 + 0.8 * 1.1)
     assert math.isclose(f["model_ring_over_hf_tokens_per_s"], 1.2)
     assert "update_ring_W8_over_W8" not in f and "memory_ring_steps" not in f
 
@@ -345,3 +356,28 @@ def test_generate_memory_rows_run_fresh_processes():
     layers, kv_heads, head_dim = 30, 3, 64  # SmolLM2-135M
     assert grown == 4 * layers * 2 * kv_heads * head_dim * 4  # 4 more tokens' K and V, float32
     assert all(r["peak_rss_growth_bytes"] >= 0 and r["seconds"] > 0 for r in rows)
+
+
+def test_mlx_peer_attends_like_the_ring():
+    """mlx-lm's RotatingKVCache step, from the same prefill and token: the ring's output."""
+    pytest.importorskip("mlx_lm")
+    shape = Shape(batch=2, kv_heads=2, q_heads=4, head_dim=8, dtype=torch.float32,
+                  device=torch.device("cpu"))
+    pre, tok = make_inputs(shape, window=8)
+    ring = decode_step("ring", shape, 8, pre, tok)
+    peer = mlx_peer.decode_steps(pre.k, pre.v, tok.k, tok.v, tok.q, 8)
+    for _ in range(11):  # past a wrap of the window
+        expected = ring()
+        got = torch.from_numpy(np.array(peer[mlx_peer.IMPL]()))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(torch.from_numpy(np.array(peer[mlx_peer.ATTENTION_IMPL]())),
+                              expected)  # the still window holds the prefill alone
+
+
+def test_bench_runs_without_mlx(monkeypatch):
+    monkeypatch.setattr(mlx_peer, "skip_reason", lambda device: "mlx / mlx-lm not importable")
+    rows = run(only(replace(TINY, decode_windows=(8,), decode_batches=(1,)), "decode_step"),
+               device="cpu")["rows"]
+    skipped = [r for r in rows if "skipped" in r]
+    assert {r["impl"] for r in skipped} == set(PEER_IMPLS)
+    assert {r["impl"] for r in rows if "skipped" not in r} == set(DECODE_IMPLS)

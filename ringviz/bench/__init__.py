@@ -5,7 +5,8 @@ bound, plus memory over a long decode and a real model's tokens per second (chap
 chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``bench`` field):
 
 * ``update``: one decode step's cache write (one token's K and V into a full window of W).
-* ``decode_step``: that write plus attention of one query over the window.
+* ``decode_step``: that write plus attention of one query over the window (beside it, where
+  mlx-lm is installed, its ``RotatingKVCache`` step on MLX's CPU backend: ``mlx_peer.py``).
 * ``memory``: cache bytes and process RSS at checkpoints of a long decode (ring vs growing).
 * ``model``: Gemma-3-270M decode tokens/s, ring vs Hugging Face's default cache.
 * ``sinks_update`` / ``sinks_decode``: attention sinks, the ring's O(S) sink rotation against
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ringviz.bench import mlx_peer
 from ringviz.bench.cases import DECODE_IMPLS, UPDATE_IMPLS, Shape, build_cases
 from ringviz.bench.harness import machine_info, measure_interleaved
 from ringviz.bench.memory import MEMORY_IMPLS, run_memory
@@ -46,6 +48,7 @@ class BenchConfig:
     update_windows: tuple[int, ...] = (256, 1024, 4096, 16384)  # W for bench="update"
     decode_windows: tuple[int, ...] = (1024, 4096)  # W for bench="decode_step"
     decode_batches: tuple[int, ...] = (1, 8)  # B for bench="decode_step"
+    mlx_peer: bool = True  # decode_step: mlx-lm's RotatingKVCache beside the ring (CPU)
     batch: int = 8  # B (update)
     kv_heads: int = 8  # n_kv_heads
     q_heads: int = 8  # Hq (decode_step); a multiple of kv_heads
@@ -116,16 +119,24 @@ def _timing_rows(kind: str, impls: tuple[str, ...], windows: tuple[int, ...], sh
     ring's flatness in W is then a comparison inside one run, not across runs.
     """
     t0 = time.perf_counter()
-    cases = [case for window in windows for case in build_cases(kind, impls, shape, window)]
+    peer = kind == "decode_step" and config.mlx_peer
+    cases = [case for window in windows
+             for case in build_cases(kind, impls, shape, window, peer=peer)]
     timings = measure_interleaved(cases, reps=config.reps, warmup=config.warmup,
                                   min_sample_s=config.min_sample_s, device=shape.device)
     del cases
     rows = [{"bench": kind, "impl": impl, "window": window, **shape.fields(),
              "threads": torch.get_num_threads(), **timing.as_row()}
             for (impl, window), timing in timings.items()]
+    skipped = mlx_peer.skip_reason(shape.device.type) if peer else None
+    if skipped:  # the peer's row says why it is missing
+        rows += [{"bench": kind, "impl": impl, "window": window, **shape.fields(),
+                  "skipped": skipped} for window in windows
+                 for impl in (mlx_peer.IMPL, mlx_peer.ATTENTION_IMPL)]
+        _log(f"{kind}: {mlx_peer.IMPL} skipped: {skipped}")
     for window in windows:
         summary = ", ".join(f"{r['impl']} {r['median_us']:.0f}" for r in rows
-                            if r["window"] == window)
+                            if r["window"] == window and "median_us" in r)
         _log(f"{kind} W={window}: {summary} us")
     _log(f"{kind}: {time.perf_counter() - t0:.1f} s")
     return rows

@@ -14,7 +14,11 @@ Impl names (the ``impl`` field of a benchmark row):
 * ``hf_dynamic`` / ``hf_static`` — transformers' ``DynamicSlidingWindowLayer`` and
   ``StaticSlidingWindowLayer`` (cat + slice; roll + index assign + ``copy_``).
 * ``attention_only`` — SDPA of the query over the ring's ``window`` keys with no cache write and
-  no mask (every key is visible once the window is full): the bound a decode step cannot beat.
+  no mask (every key is visible once the window is full): the attention every layout must do.
+  Not a strict lower bound of a measured time: a ring step can come out a little under it, by
+  noise between repetitions (see each row's p10/p90).
+* ``mlx_rotating`` (decode_step, CPU, where mlx-lm is installed) — a peer:
+  :mod:`ringviz.bench.mlx_peer`, mlx-lm's ``RotatingKVCache`` step on MLX's own CPU kernels.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ringviz.bench import mlx_peer
 from ringviz.bench.harness import Case
 from ringviz.cache import RingKVCache
 from ringviz.reference import ShiftWindowKVCache
@@ -196,8 +201,9 @@ def ring_graph_step(shape: Shape, window: int, pre: Prefill, tok: Token) -> Call
 
 
 def build_cases(kind: str, impls: tuple[str, ...], shape: Shape, window: int,
-                seed: int = 123) -> list[Case]:
-    """Cases for ``kind`` in ("update", "decode_step"), all from one shared set of inputs.
+                seed: int = 123, *, peer: bool = False) -> list[Case]:
+    """Cases for ``kind`` in ("update", "decode_step"), all from one shared set of inputs;
+    ``peer=True`` adds the mlx-lm row to decode_step where it can run.
 
     The prefill tensors are dropped on return; the cases keep only their caches and the token.
     """
@@ -208,4 +214,7 @@ def build_cases(kind: str, impls: tuple[str, ...], shape: Shape, window: int,
     cases = [Case(impl, window, make(impl, shape, window, pre, tok)) for impl in impls]
     if kind == "decode_step" and shape.device.type == "cuda":
         cases.append(Case("ring_cuda_graph", window, ring_graph_step(shape, window, pre, tok)))
+    if kind == "decode_step" and peer and mlx_peer.skip_reason(shape.device.type) is None:
+        steps = mlx_peer.decode_steps(pre.k, pre.v, tok.k, tok.v, tok.q, window)
+        cases += [Case(impl, window, step) for impl, step in steps.items()]
     return cases

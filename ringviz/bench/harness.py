@@ -4,7 +4,8 @@ Every implementation in a comparison is timed in the same repetition blocks, rou
 a rotated order (block r starts with impl r mod n), so a burst of machine noise lands on all of
 them rather than on whichever ran last. One sample times ``inner`` back-to-back calls (chosen in
 warm-up so a sample lasts about ``min_sample_s``); the row reports the median per-call time over
-the samples and the 10th/90th percentiles as spread. On CUDA the clock is a pair of CUDA events
+the samples and the 10th/90th percentiles as spread, and keeps every sample (block by block,
+so two cases' samples of the same block can be paired). On CUDA the clock is a pair of CUDA events
 around the block, read after a synchronize; on the CPU it is ``time.perf_counter_ns``. The
 garbage collector is off inside a timed block, as in ``timeit``.
 """
@@ -49,10 +50,12 @@ class Timing:
     min_us: float
     reps: int  # samples (repetition blocks)
     inner: int  # calls per sample
+    samples_us: tuple[float, ...] = ()  # per-call time of each sample, block by block
 
     def as_row(self) -> dict:
         return {"median_us": self.median_us, "p10_us": self.p10_us, "p90_us": self.p90_us,
-                "min_us": self.min_us, "reps": self.reps, "inner": self.inner}
+                "min_us": self.min_us, "reps": self.reps, "inner": self.inner,
+                "samples_us": list(self.samples_us)}
 
 
 def synchronize(device: torch.device) -> None:
@@ -109,7 +112,8 @@ def summarize(per_call_s: Sequence[float], inner: int) -> Timing:
     us = np.asarray(per_call_s, dtype=np.float64) * 1e6
     p10, median, p90 = np.percentile(us, [10, 50, 90])
     return Timing(median_us=float(median), p10_us=float(p10), p90_us=float(p90),
-                  min_us=float(us.min()), reps=len(us), inner=inner)
+                  min_us=float(us.min()), reps=len(us), inner=inner,
+                  samples_us=tuple(float(x) for x in us))
 
 
 def measure_interleaved(cases: Sequence[Case], *, reps: int, warmup: int, min_sample_s: float,
@@ -178,6 +182,9 @@ def machine_info(device: torch.device) -> dict:
         info["transformers"] = transformers.__version__
     except ImportError:
         info["transformers"] = None
+    from ringviz.bench.mlx_peer import versions
+
+    info.update(versions())
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),

@@ -9,12 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 
 def _median(rows: Sequence[dict], bench: str, impl: str, window: int,
             stat: str = "median_us") -> float | None:
     for r in rows:
         if r["bench"] == bench and r["impl"] == impl and r["window"] == window:
-            return r[stat]
+            return r.get(stat)  # None for a row that was skipped
     return None
 
 
@@ -42,8 +44,10 @@ def _update_figures(rows: Sequence[dict]) -> dict:
 def _decode_figures(rows: Sequence[dict]) -> dict:
     """Per batch size B and window W: ring over attention alone, naive_cat over ring.
 
-    Ring over attention alone also as the ratio of the two p10s and of the two p90s
-    (``..._p10``, ``..._p90``): how far the ratio moves over the repetitions.
+    Its spread, ``..._p10`` and ``..._p90``: the 10th and 90th percentiles of the ratios of
+    the two impls' samples in the same repetition block (both timed within a block, so a burst
+    of load hits the pair); for rows without samples (older runs), the ratio of the two p10s
+    and of the two p90s. mlx-lm's step over MLX's attention alone, and over the ring, likewise.
     """
     out = {}
     decode = [r for r in rows if r["bench"] == "decode_step"]
@@ -51,17 +55,29 @@ def _decode_figures(rows: Sequence[dict]) -> dict:
         at_b = [r for r in decode if r["batch"] == b]
         for w in _windows(at_b, "decode_step"):
             ring = _median(at_b, "decode_step", "ring", w)
-            for impl, key in (("attention_only", "decode_ring_over_attention_only"),
-                              ("naive_cat", "decode_naive_cat_over_ring")):
-                other = _median(at_b, "decode_step", impl, w)
-                if ring and other:
-                    out[f"{key}_W{w}_B{b}"] = (ring / other if impl == "attention_only"
-                                               else other / ring)
-            if ring and _median(at_b, "decode_step", "attention_only", w):
-                for stat in ("p10", "p90"):
-                    out[f"decode_ring_over_attention_only_W{w}_B{b}_{stat}"] = (
-                        _median(at_b, "decode_step", "ring", w, f"{stat}_us")
-                        / _median(at_b, "decode_step", "attention_only", w, f"{stat}_us"))
+            other = _median(at_b, "decode_step", "naive_cat", w)
+            if ring and other:
+                out[f"decode_naive_cat_over_ring_W{w}_B{b}"] = other / ring
+            for num, den in (("ring", "attention_only"), ("mlx_rotating", "mlx_attention_only"),
+                             ("mlx_rotating", "ring")):
+                out.update(_paired(at_b, num, den, w, f"decode_{num}_over_{den}_W{w}_B{b}"))
+    return out
+
+
+def _paired(rows: Sequence[dict], num: str, den: str, window: int, key: str) -> dict:
+    """``key``: median of ``num`` over median of ``den``; ``key_p10``/``key_p90``: the spread
+    of their block-paired sample ratios (or of the percentile ratios, without samples)."""
+    a = next((r for r in rows if r["impl"] == num and r["window"] == window), None)
+    b = next((r for r in rows if r["impl"] == den and r["window"] == window), None)
+    if not a or not b or "median_us" not in a or "median_us" not in b:
+        return {}
+    out = {key: a["median_us"] / b["median_us"]}
+    if a.get("samples_us") and len(a["samples_us"]) == len(b.get("samples_us") or ()):
+        ratios = np.asarray(a["samples_us"]) / np.asarray(b["samples_us"])
+        out[f"{key}_p10"], out[f"{key}_p90"] = (float(x) for x in np.percentile(ratios, [10, 90]))
+    else:
+        out[f"{key}_p10"] = a["p10_us"] / b["p10_us"]
+        out[f"{key}_p90"] = a["p90_us"] / b["p90_us"]
     return out
 
 
@@ -125,7 +141,8 @@ def figures(rows: Sequence[dict]) -> dict:
 
 
 def _as_ms(rows: Sequence[dict], bench: str) -> list[dict]:
-    return [{**r, "ms_per_token": r["median_us"] / 1e3} for r in rows if r["bench"] == bench]
+    return [{**r, "ms_per_token": r["median_us"] / 1e3} for r in rows
+            if r["bench"] == bench and "median_us" in r]
 
 
 def _plot_bench_latency(rows: Sequence[dict], bench: str, ylabel: str, title: str, ax=None):
