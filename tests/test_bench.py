@@ -23,6 +23,7 @@ from ringviz.bench.cases import (
 )
 from ringviz.bench.harness import Case, measure_interleaved, summarize
 from ringviz.bench.memory import checkpoints, run_memory
+from ringviz.bench.profile import STAGES, masked_step
 from ringviz.bench.report import figures
 from ringviz.bench.sinks import SINK_IMPLS, StreamingLLMCache, build_sink_cases
 from ringviz.rope import apply_rope
@@ -34,7 +35,7 @@ TINY = BenchConfig(update_windows=(8, 32), decode_windows=(8, 16), batch=2, kv_h
                    memory_window=16, memory_steps=200, memory_growing_steps=50, model=False,
                    sink_windows=(8, 32), sinks=2, sink_kv_heads=2, sink_q_heads=4,
                    sink_head_dim=8, generate=False, compiled=False, generate_memory=False,
-                   decode_batches=(1, 2))
+                   decode_batches=(1, 2), profile_windows=(8,))
 PEER_IMPLS = (mlx_peer.IMPL, mlx_peer.ATTENTION_IMPL)
 ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads": int,
               "head_dim": int, "dtype": str, "device": str, "median_us": float,
@@ -197,6 +198,7 @@ def test_the_contract_configurations():
 def test_only_keeps_one_part(part):
     config = only(FULL, part)
     kept = {"decode_step": bool(config.decode_windows), "sinks": bool(config.sink_windows),
+            "decode_profile": bool(config.profile_windows),
             "generate": config.generate,
             "compiled": config.compiled, "generate_memory": config.generate_memory}
     assert kept == {p: p == part for p in PARTS}
@@ -381,3 +383,26 @@ def test_bench_runs_without_mlx(monkeypatch):
     skipped = [r for r in rows if "skipped" in r]
     assert {r["impl"] for r in skipped} == set(PEER_IMPLS)
     assert {r["impl"] for r in rows if "skipped" not in r} == set(DECODE_IMPLS)
+
+
+def test_profile_stages_add_up_and_the_masked_step_is_the_masked_path(tiny_run):
+    rows = [r for r in tiny_run["rows"] if r["bench"] == "decode_profile"]
+    for b in TINY.decode_batches:
+        for path, stages in STAGES.items():
+            mine = [r for r in rows if r["impl"] == path and r["batch"] == b]
+            assert [r["stage"] for r in mine] == list(stages)
+            last = mine[-1]  # the whole step, timed as one
+            assert math.isclose(sum(r["stage_us"] for r in mine), last["median_us"])
+    from test_full_ring import MaskedRing, state  # the cache forced onto the masked path
+
+    shape = Shape(batch=2, kv_heads=2, q_heads=4, head_dim=8, dtype=torch.float64,
+                  device=torch.device("cpu"))
+    pre, tok = make_inputs(shape, window=8)
+    ring, pos = _full_ring(shape, 8, pre)
+    twin = MaskedRing(2, 2, 8, 8, dtype=torch.float64)
+    twin.write(pre.k, pre.v, torch.arange(8).repeat(2, 1))
+    for _ in range(10):
+        pos += 1
+        out = masked_step(ring, tok.q, tok.k, tok.v, pos)
+        assert torch.equal(out, twin.step(tok.q, tok.k, tok.v, pos))
+        assert all(torch.equal(a, b) for a, b in zip(state(ring), state(twin), strict=True))

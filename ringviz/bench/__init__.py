@@ -7,6 +7,8 @@ chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``b
 * ``update``: one decode step's cache write (one token's K and V into a full window of W).
 * ``decode_step``: that write plus attention of one query over the window (beside it, where
   mlx-lm is installed, its ``RotatingKVCache`` step on MLX's CPU backend: ``mlx_peer.py``).
+* ``decode_profile``: where a decode step's time goes, stage by stage, for the masked step and
+  the full ring's unmasked one (``profile.py``).
 * ``memory``: cache bytes and process RSS at checkpoints of a long decode (ring vs growing).
 * ``model``: Gemma-3-270M decode tokens/s, ring vs Hugging Face's default cache.
 * ``sinks_update`` / ``sinks_decode``: attention sinks, the ring's O(S) sink rotation against
@@ -34,9 +36,10 @@ from pathlib import Path
 import torch
 
 from ringviz.bench import mlx_peer
-from ringviz.bench.cases import DECODE_IMPLS, UPDATE_IMPLS, Shape, build_cases
+from ringviz.bench.cases import DECODE_IMPLS, UPDATE_IMPLS, Shape, build_cases, make_inputs
 from ringviz.bench.harness import machine_info, measure_interleaved
 from ringviz.bench.memory import MEMORY_IMPLS, run_memory
+from ringviz.bench.profile import profile_rows
 from ringviz.bench.report import figures, save_plots
 from ringviz.bench.sinks import build_sink_cases
 
@@ -49,6 +52,7 @@ class BenchConfig:
     decode_windows: tuple[int, ...] = (1024, 4096)  # W for bench="decode_step"
     decode_batches: tuple[int, ...] = (1, 8)  # B for bench="decode_step"
     mlx_peer: bool = True  # decode_step: mlx-lm's RotatingKVCache beside the ring (CPU)
+    profile_windows: tuple[int, ...] = (1024,)  # W for bench="decode_profile" (at decode_batches)
     batch: int = 8  # B (update)
     kv_heads: int = 8  # n_kv_heads
     q_heads: int = 8  # Hq (decode_step); a multiple of kv_heads
@@ -91,7 +95,8 @@ class BenchConfig:
 FULL = BenchConfig()
 QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
                 model=False, generate=False, compiled=False, generate_memory=False)
-PARTS = ("decode_step", "sinks", "generate", "compiled", "generate_memory")  # ``--only`` keeps one
+PARTS = ("decode_step", "decode_profile", "sinks", "generate", "compiled",
+         "generate_memory")  # ``--only`` keeps one
 
 
 def only(config: BenchConfig, part: str) -> BenchConfig:
@@ -99,9 +104,12 @@ def only(config: BenchConfig, part: str) -> BenchConfig:
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     rest = replace(config, update_windows=(), decode_windows=(), memory=False, model=False,
-                   sink_windows=(), generate=False, compiled=False, generate_memory=False)
+                   sink_windows=(), generate=False, compiled=False, generate_memory=False,
+                   profile_windows=())
     if part == "decode_step":
         return replace(rest, decode_windows=config.decode_windows)
+    if part == "decode_profile":
+        return replace(rest, profile_windows=config.profile_windows)
     if part == "sinks":
         return replace(rest, sink_windows=config.sink_windows)
     return replace(rest, **{part: True})
@@ -139,6 +147,20 @@ def _timing_rows(kind: str, impls: tuple[str, ...], windows: tuple[int, ...], sh
                             if r["window"] == window and "median_us" in r)
         _log(f"{kind} W={window}: {summary} us")
     _log(f"{kind}: {time.perf_counter() - t0:.1f} s")
+    return rows
+
+
+def _profile_rows(config: BenchConfig, shape: Shape) -> list[dict]:
+    """``decode_profile`` rows: a decode step's stages, masked and unmasked, at each W."""
+    rows = []
+    for window in config.profile_windows:
+        t0 = time.perf_counter()
+        pre, tok = make_inputs(shape, window)
+        rows += profile_rows(shape, window, pre, tok, reps=config.reps, warmup=config.warmup,
+                             min_sample_s=config.min_sample_s)
+        _log(f"decode_profile B={shape.batch} W={window}: " + ", ".join(
+            f"{r['impl']}:{r['stage']} {r['stage_us']:.0f}" for r in rows[-10:]) +
+            f" us ({time.perf_counter() - t0:.1f} s)")
     return rows
 
 
@@ -199,6 +221,8 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
             for batch in config.decode_batches if config.decode_windows else ():
                 rows += _timing_rows("decode_step", DECODE_IMPLS, config.decode_windows,
                                      replace(shape, batch=batch), config)
+            for batch in config.decode_batches if config.profile_windows else ():
+                rows += _profile_rows(config, replace(shape, batch=batch))
             if config.sink_windows:
                 rows += _sink_rows(config, device)
         if config.memory:
