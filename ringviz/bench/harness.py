@@ -175,6 +175,8 @@ def machine_info(device: torch.device) -> dict:
         "torch": torch.__version__,
         "numpy": np.__version__,
         "ringviz_commit": _git_commit(),
+        # how busy the machine was: run queue over the last 1, 5, 15 minutes (at the run's end)
+        "load_avg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
     try:
         import transformers
