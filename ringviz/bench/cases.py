@@ -168,10 +168,12 @@ def capture_ring_step(ring: RingKVCache, pos: torch.Tensor, q: torch.Tensor, k: 
     """``pos += 1; out = ring.step(q, k, v, pos)`` captured in a CUDA graph: (graph, out).
 
     Capture is possible because the ring's storage never moves and ``check=False`` skips the
-    validation's host syncs. :data:`WARMUP_STEPS` real steps run first on a side stream, as
-    capture requires; capturing runs nothing. Each ``graph.replay()`` is then the next decode
-    step: it reads ``q``, ``k``, ``v`` where they are (copy a new token into them first) and
-    writes its attention output into ``out``.
+    validation's host syncs; every step is each row's next position (``contiguous=True``), so a
+    full ring's graph records the unmasked step, with no mask kernels, and replays stay right
+    for as long as they advance ``pos`` by one. :data:`WARMUP_STEPS` real steps run first on a
+    side stream, as capture requires; capturing runs nothing. Each ``graph.replay()`` is then
+    the next decode step: it reads ``q``, ``k``, ``v`` where they are (copy a new token into
+    them first) and writes its attention output into ``out``.
     """
     device = ring.device
     if device.type != "cuda":
@@ -181,12 +183,12 @@ def capture_ring_step(ring: RingKVCache, pos: torch.Tensor, q: torch.Tensor, k: 
     with torch.cuda.stream(side):
         for _ in range(WARMUP_STEPS):
             pos.add_(1)
-            ring.step(q, k, v, pos, check=False)
+            ring.step(q, k, v, pos, check=False, contiguous=True)
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         pos.add_(1)
-        out = ring.step(q, k, v, pos, check=False)
+        out = ring.step(q, k, v, pos, check=False, contiguous=True)
     return graph, out
 
 
