@@ -12,7 +12,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_models_drive import tiny_gemma, tiny_llama, tokens  # noqa: E402
+
+from tiny_models import tiny_gemma, tiny_llama, tokens  # noqa: E402
 
 from ringviz.hf import FullLayer  # noqa: E402
 from ringviz.hf.rotary import float64_rope_angles, model_sink_rope  # noqa: E402
