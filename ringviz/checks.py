@@ -77,8 +77,9 @@ def check_kv(k: object, v: object, *, batch_size: int, num_kv_heads: int, head_d
 
 
 def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype, device: torch.device) -> None:
-    """``q`` must be ``(B, Hq, T, head_dim)`` on ``device`` in ``dtype``, ``Hq % Hkv == 0``."""
+                dtype: torch.dtype, device: torch.device, q_positions: object = None) -> None:
+    """``q`` must be ``(B, Hq, T, head_dim)`` on ``device`` in ``dtype``, ``Hq % Hkv == 0``;
+    ``q_positions``, when given, an integer tensor ``(B, T)``."""
     check_tensor("q", q, device)
     if q.dtype != dtype:
         raise TypeError(f"q has dtype {q.dtype}, the cache holds {dtype}")
@@ -88,6 +89,13 @@ def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_d
     if q.shape[1] == 0 or q.shape[1] % num_kv_heads:
         raise ValueError(f"Hq={q.shape[1]} query heads is not a positive multiple of "
                          f"n_kv_heads={num_kv_heads}")
+    if q_positions is None:
+        return
+    if not isinstance(q_positions, torch.Tensor):
+        raise TypeError(f"q_positions must be a torch.Tensor, got {type(q_positions).__name__}")
+    if q_positions.shape != (batch_size, T) or q_positions.is_floating_point():
+        raise ValueError(f"q_positions must be integer (B, T) = {(batch_size, T)}, got "
+                         f"{q_positions.dtype} {tuple(q_positions.shape)}")
 
 
 def check_positions(positions: torch.Tensor, newest: torch.Tensor, T: int) -> None:
