@@ -280,8 +280,8 @@ def test_ring_cache_cannot_roll_back():
 
 
 # ------------------------------------------------------------------------- torch.compile
-@pytest.mark.parametrize(("sinks", "sink_rope"), [(0, None), (2, None), (2, "cache")])
-def test_decode_step_compiles_once_fullgraph_and_matches_eager(sinks, sink_rope):
+@pytest.mark.parametrize(("sinks", "sink_convention"), [(0, "absolute"), (2, "absolute"), (2, "cache")])
+def test_decode_step_compiles_once_fullgraph_and_matches_eager(sinks, sink_convention):
     """All-ring cache, with and without sinks: one graph (fullgraph=True: a graph break would
     raise), no recompile."""
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -292,7 +292,7 @@ def test_decode_step_compiles_once_fullgraph_and_matches_eager(sinks, sink_rope)
     compiled = torch.compile(model.forward, fullgraph=True, backend=counter)
     runs = {}
     for name, forward in (("eager", model.forward), ("compiled", compiled)):
-        cache = hf.RingCache(model, sinks=sinks, sink_rope=sink_rope)
+        cache = hf.RingCache(model, sinks=sinks, sink_convention=sink_convention)
         assert cache.is_compileable
         logits = []
         with torch.no_grad(), hf.ring_active(model, cache):

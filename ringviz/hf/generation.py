@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
-from ringviz.checks import check_sinks
+from ringviz.checks import check_sinks, sink_convention_from
 from ringviz.hf.attention import ring_active
 from ringviz.hf.cache import RingCache
 
@@ -45,37 +45,41 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
         raise ValueError("use_cache=False would bypass the RingCache")
 
 
-def _check_cache(model, cache, window: int | None, sinks: int, sink_rope: str | None) -> None:
+def _check_cache(model, cache, window: int | None, sinks: int, sink_convention: str) -> None:
     """Raise unless ``cache`` is an unused RingCache for ``model`` with these settings."""
     if not isinstance(cache, RingCache) or cache.config is not model.config:
         raise ValueError("cache= must be a RingCache built for this model")
     if window is not None and window != cache.window:
         raise ValueError(f"window={window} differs from the cache's window {cache.window}")
-    if (sinks, sink_rope) != (cache.sinks, cache.sink_rope):
-        raise ValueError(f"sinks={sinks}, sink_rope={sink_rope!r} differ from the cache's "
-                         f"sinks={cache.sinks}, sink_rope={cache.sink_rope!r}")
+    if (sinks, sink_convention) != (cache.sinks, cache.sink_convention):
+        raise ValueError(f"sinks={sinks}, sink_convention={sink_convention!r} differ from the "
+                         f"cache's sinks={cache.sinks}, "
+                         f"sink_convention={cache.sink_convention!r}")
     if cache.get_seq_length() > 0:
         raise ValueError("this RingCache already holds tokens: pass a fresh one")
 
 
 def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None = None,
-             sinks: int = 0, sink_rope: str | None = None, **kwargs):
+             sinks: int = 0, sink_convention: str = "absolute", sink_rope: str | None = None,
+             **kwargs):
     """``model.generate(input_ids, **kwargs)`` decoded through a :class:`RingCache`.
 
-    A fresh ``RingCache(model, window=window, sinks=sinks, sink_rope=sink_rope)`` unless
+    A fresh ``RingCache(model, window=window, sinks=sinks, sink_convention=...)`` unless
     ``cache=`` passes one (unused, built for this model, with these ``sinks`` and
-    ``sink_rope``). ``sinks=S`` keeps each row's first S tokens in every ring; ``sink_rope``
-    None scores them at absolute positions, ``"cache"`` at StreamingLLM's positions inside the
-    cache (:class:`RingCache`). The prompt is prefilled in chunks of ``prefill_chunk_size``
+    ``sink_convention``). ``sinks=S`` keeps each row's first S tokens in every ring;
+    ``sink_convention="absolute"`` scores them at their own positions, ``"cache"`` at
+    StreamingLLM's positions inside the cache (:class:`RingCache`; ``sink_rope=None | "cache"``
+    is its deprecated spelling). The prompt is prefilled in chunks of ``prefill_chunk_size``
     tokens (default :data:`PREFILL_CHUNK`). Greedy and sampling only.
     """
     cache = kwargs.pop("cache", None)
+    sink_convention = sink_convention_from(sink_convention, sink_rope)
     config = _generation_config(model, kwargs)
     _check_call(model, kwargs, config)
     if cache is None:
-        cache = RingCache(model, window=window, sinks=sinks, sink_rope=sink_rope)
+        cache = RingCache(model, window=window, sinks=sinks, sink_convention=sink_convention)
     else:
-        _check_cache(model, cache, window, check_sinks(sinks, sink_rope), sink_rope)
+        _check_cache(model, cache, window, check_sinks(sinks, sink_convention), sink_convention)
     if config.prefill_chunk_size is None:
         kwargs["prefill_chunk_size"] = PREFILL_CHUNK
     if config.cache_implementation is not None:  # a model default (e.g. Gemma 3's "hybrid")
