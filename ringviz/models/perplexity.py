@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ringviz.checks import check_int
 from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import load_model
 from ringviz.models.reference import has_native_window, reference_logits
@@ -49,13 +50,13 @@ def ring_check(model, ids: torch.Tensor, window: int, *, progress: bool = False)
 
 
 def _check(windows: list[int], sinks: list[int], tokens: int) -> None:
-    if not windows or any(isinstance(w, bool) or not isinstance(w, int) or w <= 0
-                          for w in windows):
-        raise ValueError(f"windows must be positive ints, got {windows!r}")
-    if not sinks or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sinks):
-        raise ValueError(f"sinks must be ints >= 0, got {sinks!r}")
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
-        raise ValueError(f"tokens must be an int >= 2, got {tokens!r}")
+    if not windows or not sinks:
+        raise ValueError(f"windows and sinks must be non-empty, got {windows!r}, {sinks!r}")
+    for w in windows:
+        check_int("window", w)
+    for s in sinks:
+        check_int("sinks", s, minimum=0)
+    check_int("tokens", tokens, minimum=2)
 
 
 def run_perplexity(model: str, windows: list[int], sinks: list[int], tokens: int) -> dict:
