@@ -22,10 +22,14 @@ from ringviz.models.reference import has_native_window, reference_logits
 from ringviz.models.text import eval_tokens
 
 
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token loss ``-log p(target)`` in float64: ``logits`` (L, vocab), ``targets`` (L,)."""
+    return -torch.log_softmax(logits.double(), dim=-1).gather(1, targets[:, None])[:, 0]
+
+
 def nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Per-token negative log-likelihood ``(L-1,)`` of ``ids[1:]`` under ``logits[:-1]``."""
-    logp = torch.log_softmax(logits[:-1].double(), dim=-1)  # (L-1, vocab)
-    return -logp.gather(1, ids[1:, None])[:, 0]
+    return token_nll(logits[:-1], ids[1:])
 
 
 def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:

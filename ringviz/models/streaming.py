@@ -26,6 +26,7 @@ from ringviz.checks import SINK_CONVENTIONS, check_int
 from ringviz.hf.rotary import float64_rope_angles
 from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import load_model
+from ringviz.models.perplexity import token_nll
 from ringviz.models.reference import reference_logits
 from ringviz.models.sinks import streaming_llm_logits
 from ringviz.models.text import eval_text
@@ -49,8 +50,7 @@ def stream_nll(model, ids: torch.Tensor, window: int, sinks: int, convention: st
         e = min(s + chunk, len(ids) - 1)
         pos = torch.arange(s, e, device=ids.device)[None]
         logits = runner.forward(ids[None, s:e], pos)[0]  # (e - s, vocab)
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        out.append(-logp.gather(1, ids[s + 1:e + 1, None])[:, 0])
+        out.append(token_nll(logits, ids[s + 1:e + 1]))
     return torch.cat(out)
 
 
