@@ -25,8 +25,9 @@ def plans(monkeypatch):
     real = RingCache._plan
 
     def spy(self, positions, no_mask):
-        real(self, positions, no_mask)
-        seen.append((positions.shape[1], self.unmasked))
+        out = real(self, positions, no_mask)
+        seen.append((positions.shape[1], out[1]))
+        return out
 
     monkeypatch.setattr(RingCache, "_plan", spy)
     return seen
@@ -36,8 +37,7 @@ def masked_everywhere(monkeypatch):
     real = RingCache._plan
 
     def plan(self, positions, no_mask):
-        real(self, positions, no_mask)
-        self.unmasked = frozenset()
+        return real(self, positions, no_mask)[0], frozenset()
 
     monkeypatch.setattr(RingCache, "_plan", plan)
 
@@ -53,7 +53,7 @@ def test_ragged_rows_unmask_when_the_last_row_is_full(monkeypatch, plans, dtype)
     """Gemma-like (sliding W=6 + full): rows with 9, 4 and 1 real prompt tokens become full
     at decode steps 0, 2 and 5; the sliding layers unmask from step 5, the full layers never
     (their rows hold padding slots)."""
-    model = tiny_gemma(dtype)
+    model = tiny_gemma(dtype=dtype)
     ids = prompt(9, batch=3)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
@@ -95,13 +95,13 @@ def test_forwards_outside_generate_count_only_what_they_are_told():
         model(input_ids=prompt(2), cache=cache)
         for n in range(3, 6):
             model(input_ids=prompt(1), cache=cache)
-            assert cache.unmasked == (frozenset({"full"}) if n >= W else frozenset())
+            assert cache.plan.unmasked == (frozenset({"full"}) if n >= W else frozenset())
     cache = hf.RingCache(model, window=W)
     with torch.no_grad(), hf.ring_active(model, cache):
         model(input_ids=prompt(2), cache=cache, attention_mask=torch.ones(1, 2))
         for n in range(3, 7):
             model(input_ids=prompt(1), cache=cache, attention_mask=torch.ones(1, n))
-            assert cache.unmasked == frozenset()
+            assert cache.plan.unmasked == frozenset()
 
 
 def test_unmasked_decode_adds_no_host_read(monkeypatch):
@@ -114,7 +114,8 @@ def test_unmasked_decode_adds_no_host_read(monkeypatch):
             model(input_ids=prompt(8), cache=cache)
             with HostReads() as mode:
                 model(input_ids=prompt(1), cache=cache)
-        return mode.count, cache.unmasked
+            unmasked = cache.plan.unmasked
+        return mode.count, unmasked
 
     fast, unmasked = decode_reads()
     assert unmasked == frozenset({"full", "sliding"})
