@@ -123,6 +123,7 @@ class RingKVCache:
         self._head_base = torch.arange(batch_size * num_kv_heads, device=self.k.device).view(
             batch_size, num_kv_heads) * (n + 1)
         self._pos_base = torch.arange(batch_size, device=self.k.device) * (n + 1)
+        self._pos_rows = self._pos_store.view(-1)  # (B * (S + C + 1),)
         # What the cache was told about its rows' runs (_Runs): when every row holds its last
         # `capacity` positions, a decode step needs no mask. Known without reading positions.
         self._runs = _Runs(batch_size, self.capacity, self.k.device)
@@ -260,8 +261,9 @@ class RingKVCache:
         """:meth:`write` of trusted int64 ``positions``, then the runs take what ``told`` says."""
         B, H, T, D = k.shape
         if T == 1 and told.next and not self.sinks:  # every row's newest + 1: stored, no guard
-            self._write_one(k, v, positions[:, 0], positions[:, 0] % self.capacity)
-            self._last_pos.copy_(positions[:, 0])
+            pos = positions[:, 0]  # (B,)
+            self._write_one(k, v, pos, pos % self.capacity)
+            self._last_pos.copy_(pos)
             self._runs.commit(told)
             return
         if T == 1:  # decode: a real token is always the row's newest, so it is always kept
@@ -291,7 +293,7 @@ class RingKVCache:
         rows = (self._head_base + slot[:, None]).view(-1)  # (B * n_kv_heads,) storage rows
         self._k_rows.index_copy_(0, rows, k.reshape(-1, self.head_dim))
         self._v_rows.index_copy_(0, rows, v.reshape(-1, self.head_dim))
-        self._pos_store.view(-1).index_copy_(0, self._pos_base + slot, positions)
+        self._pos_rows.index_copy_(0, self._pos_base + slot, positions)
 
     @property
     def window_full(self) -> bool:
