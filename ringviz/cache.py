@@ -297,10 +297,13 @@ class RingKVCache:
 
     @property
     def window_full(self) -> bool:
-        """True when the cache knows, on the host, that every row holds its last ``window``
-        positions and nothing else: a decode query at each row's next position then sees every
-        stored key, and :meth:`step` attends without a mask. Needs ``sinks=0`` and
-        ``capacity == window`` (spare slots hold keys that have left the window)."""
+        """Every row holds its last ``window`` positions, and nothing else.
+
+        Known on the host, from what the cache was told: then a decode query
+        at each row's next position sees every stored key, and :meth:`step`
+        attends without a mask. Never with sinks, nor with spare slots
+        (``capacity > window``: they hold keys that have left the window).
+        """
         return (not self.sinks and self.capacity == self.window
                 and self._runs.least >= self.capacity)
 
