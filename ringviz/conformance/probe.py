@@ -35,6 +35,14 @@ PROBE_NOISE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3,
                torch.bfloat16: 8e-3}
 
 
+class Unsupported(ValueError):
+    """Raised by a step for a schedule its cache does not take by design (not a bug).
+
+    :func:`~ringviz.conformance.check` skips such schedules (hypothesis draws others) and counts
+    them in ``Report.skipped``; a cache that takes none of them fails with ``"error"``.
+    """
+
+
 class StepError(Exception):
     """The step raised, or returned something unusable, at chunk ``step``."""
 
@@ -54,6 +62,8 @@ def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tens
     B, Hq, _, D = q.shape
     try:
         step = make_step(batch_size=B, num_heads=Hq, num_kv_heads=k.shape[1], head_dim=D)
+    except Unsupported:
+        raise
     except Exception as err:  # noqa: BLE001 -- a cache that cannot be built is reported
         raise StepError(0, f"make_step raised {type(err).__name__}: {err}") from err
     outs = []
@@ -61,6 +71,8 @@ def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tens
         try:
             with torch.no_grad():
                 out = step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], positions[:, a:b])
+        except Unsupported:
+            raise
         except Exception as err:  # noqa: BLE001 -- the kit reports, never propagates
             raise StepError(i, f"{type(err).__name__}: {err}") from err
         want = (B, Hq, b - a, D)
@@ -210,7 +222,10 @@ def values_failure(make_step: MakeStep, schedule: Schedule, positions: torch.Ten
 
 def evaluate(make_step: MakeStep, schedule: Schedule, *, window: int, sinks: int,
              dtype: torch.dtype, device: torch.device, seed: int) -> Failure | None:
-    """The first property ``schedule`` breaks: window, then values; errors as ``"error"``."""
+    """The first property ``schedule`` breaks: window, then values; errors as ``"error"``.
+
+    Raises :class:`Unsupported` if the cache declines the schedule.
+    """
     gen = torch.Generator().manual_seed(seed)
     positions = schedule.positions().to(device)
     mask = expected_mask(positions, window, sinks)

@@ -71,6 +71,7 @@ class Report:
     failures: list[Failure]
     examples: int  # schedules run, shrinking included
     window: int
+    skipped: int = 0  # schedules the cache declined by design (Unsupported), among examples
     sinks: int = 0
     batch_size: int = 1
     ragged: bool = False
@@ -91,16 +92,19 @@ class Report:
         return {"name": self.name, "ok": self.ok, "examples": self.examples,
                 "window": self.window, "sinks": self.sinks, "batch_size": self.batch_size,
                 "ragged": self.ragged, "max_chunk": self.max_chunk, "seed": self.seed,
+                "skipped": self.skipped,
                 "failures": [asdict(f) for f in self.failures]}
 
     def __str__(self) -> str:
         what = (f"{self.name + ': ' if self.name else ''}window {self.window}, sinks "
                 f"{self.sinks}, batch {self.batch_size}{' ragged' if self.ragged else ''}"
                 + (f", chunks <= {self.max_chunk}" if self.max_chunk else ""))
+        declined = f" ({self.skipped} declined by the cache)" if self.skipped else ""
         if self.ok:
-            return f"PASS {what}: {self.examples} schedules, every query saw its window"
+            return (f"PASS {what}: {self.examples} schedules{declined}, every query saw its "
+                    f"window")
         lines = [f"FAIL {what}: {len(self.failures)} propert"
                  f"{'y' if len(self.failures) == 1 else 'ies'} broken in {self.examples} "
-                 f"schedules"]
+                 f"schedules{declined}"]
         lines += [str(f) for f in self.failures]
         return "\n".join(lines)
