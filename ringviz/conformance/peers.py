@@ -18,7 +18,7 @@ from ringviz.conformance import adapters
 from ringviz.conformance.kit import check
 from ringviz.conformance.pitfalls import PITFALLS
 from ringviz.conformance.probe import MakeStep
-from ringviz.conformance.report import Report
+from ringviz.conformance.report import PROPERTIES, Report
 
 
 @dataclass(frozen=True)
@@ -98,3 +98,22 @@ def run(name: str, *, window: int = 6, sinks: int | None = None, examples: int =
     return check(peer.build(window, sinks), window=window, sinks=sinks, batch_size=batch,
                  ragged=peer.ragged, examples=examples, seed=seed, dtype=peer.dtype,
                  max_chunk=max_chunk, name=name, progress=progress)
+
+
+def setting(report: Report) -> str:
+    """A check's setting in words: ``"W=6, S=2, ragged batch of 2"``."""
+    rows = (f"ragged batch of {report.batch_size}" if report.ragged
+            else f"batch of {report.batch_size}")
+    text = f"W={report.window}, S={report.sinks}, {rows}"
+    return text + (f", chunks <= {report.max_chunk}" if report.max_chunk else "")
+
+
+def table_row(report: Report) -> dict[str, str]:
+    """One line of chapter 14's table: the cache, its version and setting, and per property
+    ``"pass"`` or the shrunk schedule that breaks it."""
+    peer = get(report.name)
+    row = {"cache": report.name, "version": peer.version(), "setting": setting(report)}
+    row |= {p: "pass" for p in PROPERTIES}
+    for f in report.failures:
+        row[f.property] = f.where()
+    return row

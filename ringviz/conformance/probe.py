@@ -171,17 +171,21 @@ def _window(schedule: Schedule, positions: torch.Tensor, mask: torch.Tensor,
     expected, seen, others = found
     real = (positions[b] >= 0).nonzero()[:, 0]  # the row's real columns, in position order
     N = positions.shape[1]
-    seen_grid = []
+    seen_grid, blank, foreign = [], [], []
     for qc in real.tolist():
-        counts, _ = read_seen(weights[b, qc], noise)
-        cols = {j - b * N for j in counts if b * N <= j < (b + 1) * N}
-        seen_grid.append([kc in cols for kc in real.tolist()])
+        counts, none = read_seen(weights[b, qc], noise)
+        own = {j - b * N: n for j, n in counts.items() if b * N <= j < (b + 1) * N}
+        seen_grid.append([kc in own for kc in real.tolist()])
+        pads = sum(n for c, n in own.items() if positions[b, c] < 0)
+        blank.append(none + pads)  # keys that hold no token of the row: empty slots, padding
+        foreign.append(sum(counts.values()) - sum(own.values()))
     expected_grid = mask[b][real][:, real].tolist()
     step = next(i for i, (lo, hi) in enumerate(schedule.bounds()) if lo <= c < hi)
     return Failure("window", list(schedule.chunks), list(schedule.offsets),
                    message=f"query saw {seen}, expected {expected}", step=step, row=b,
                    position=int(positions[b, c]), expected=expected, seen=seen, other_rows=others,
-                   expected_mask=expected_grid, seen_mask=seen_grid)
+                   expected_mask=expected_grid, seen_mask=seen_grid, seen_blank=blank,
+                   seen_other_rows=foreign)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

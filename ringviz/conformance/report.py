@@ -6,7 +6,8 @@ A failure names the property it breaks:
   key positions of its own row; ``-1`` counts a key that holds no token of the row: an empty
   slot, a padding token or a zero vector; ``other_rows`` lists keys of other rows as
   ``(row, position)``). ``expected_mask`` and ``seen_mask`` are the whole row's query x key
-  grids for the failing schedule.
+  grids for the failing schedule, ``seen_blank`` and ``seen_other_rows`` each query's count of
+  keys outside them.
 * ``"values"``: the same keys, but the output is off a float64 softmax over them by
   ``max_error``, more than the dtype allows.
 * ``"error"``: the step raised, or returned something that is not a ``(B, Hq, T, D)`` tensor
@@ -40,6 +41,8 @@ class Failure:
     max_error: float | None = None
     expected_mask: list[list[bool]] | None = None  # (queries, keys) of ``row``, by position
     seen_mask: list[list[bool]] | None = None
+    seen_blank: list[int] | None = None  # per query of ``row``: keys holding no token of it
+    seen_other_rows: list[int] | None = None  # per query of ``row``: keys of other rows
 
     def __post_init__(self) -> None:
         if self.property not in PROPERTIES:
