@@ -233,3 +233,9 @@ def test_declined_schedules_are_skipped_and_counted():
     report = check(_wrapped(ringviz_ring(4), never), window=4, examples=10)
     assert report.properties() == ["error"] and "declined every schedule" in \
         report.failures[0].message
+
+
+def test_check_runs_on_every_device(device):
+    report = check(ringviz_ring(4, sinks=1), window=4, sinks=1, batch_size=2, ragged=True,
+                   examples=10, device=device)
+    assert report.ok, str(report)

@@ -101,19 +101,20 @@ def run(name: str, *, window: int = 6, sinks: int | None = None, examples: int =
 
 
 def setting(report: Report) -> str:
-    """A check's setting in words: ``"W=6, S=2, ragged batch of 2"``."""
-    rows = (f"ragged batch of {report.batch_size}" if report.ragged
-            else f"batch of {report.batch_size}")
-    text = f"W={report.window}, S={report.sinks}, {rows}"
+    """A check's setting, short: ``"W=6 S=2, 2 ragged rows"``, ``"W=6 S=0, 1 row, chunks <= 4"``.
+    """
+    rows = (f"{report.batch_size} ragged rows" if report.ragged
+            else f"{report.batch_size} row{'s' if report.batch_size > 1 else ''}")
+    text = f"W={report.window} S={report.sinks}, {rows}"
     return text + (f", chunks <= {report.max_chunk}" if report.max_chunk else "")
 
 
 def table_row(report: Report) -> dict[str, str]:
     """One line of chapter 14's table: the cache, its version and setting, and per property
-    ``"pass"`` or the shrunk schedule that breaks it."""
+    ``"pass"`` or the shrunk schedule that breaks it (``[6, 1, 2], rows at [0, 2]``)."""
     peer = get(report.name)
     row = {"cache": report.name, "version": peer.version(), "setting": setting(report)}
     row |= {p: "pass" for p in PROPERTIES}
     for f in report.failures:
-        row[f.property] = f.where()
+        row[f.property] = str(f.schedule) + (f", rows at {f.offsets}" if any(f.offsets) else "")
     return row

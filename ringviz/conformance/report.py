@@ -58,12 +58,13 @@ class Failure:
     def __str__(self) -> str:
         head = f"{self.property}: {self.where()}"
         if self.property == "window":
-            return (f"{head}\n  row {self.row}, query at position {self.position} (chunk "
-                    f"{self.step}): expected keys {self.expected}, saw {self.seen}"
-                    + (f" and keys of other rows {self.other_rows}" if self.other_rows else ""))
+            others = f"\n  and keys of other rows (row, position) {self.other_rows}"
+            return (f"{head}\n  row {self.row}, query at position {self.position} "
+                    f"(chunk {self.step})\n  expected keys {self.expected}\n  saw keys      "
+                    f"{self.seen}" + (others if self.other_rows else ""))
         if self.property == "values":
-            return (f"{head}\n  row {self.row}, query at position {self.position}: the right "
-                    f"keys, but |out - softmax reference| = {self.max_error:.3g}")
+            return (f"{head}\n  row {self.row}, query at position {self.position}: the "
+                    f"right keys, but\n  |out - softmax reference| = {self.max_error:.3g}")
         return f"{head}\n  chunk {self.step}: {self.message}"
 
 

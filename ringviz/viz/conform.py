@@ -64,9 +64,8 @@ def draw_probe(slot_positions: Sequence[int], weights: Sequence[float],
             ax.text(j + 0.5, y + 0.5, _fraction(o), ha="center", va="center", fontsize=8)
         ax.text(j + 0.5, y - 0.25, str(j), ha="center", va="top", fontsize=8)
     ax.text(-2.6, y + 0.5, "output", ha="right", va="center", fontsize=9, fontweight="bold")
-    ax.text(-1.5, 1.25, "weight", ha="center", va="bottom", fontsize=9)
-    ax.text(ids / 2, 1.25, "value (one-hot at the token's id)", ha="center", va="bottom",
-            fontsize=9)
+    ax.text(-1.5, 1.15, "weight", ha="center", va="bottom", fontsize=9)
+    ax.text(0, 1.15, "value: one-hot at the token's id", ha="left", va="bottom", fontsize=9)
     ax.text(ids / 2, y - 0.95, "token id = position", ha="center", va="top", fontsize=8,
             color=EDGE_COLOR)
     ax.set_xlim(-4.6, ids + 0.2)
@@ -111,19 +110,19 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
                 ax.add_patch(Rectangle((k, -q - 1), 1, 1, facecolor=face, hatch=hatch,
                                        edgecolor="white", linewidth=0.6))
             elif q == k or k < q:
-                ax.add_patch(Rectangle((k, -q - 1), 1, 1, facecolor="#EEEEEE",
+                ax.add_patch(Rectangle((k, -q - 1), 1, 1, facecolor="#E0E0E0",
                                        edgecolor="white", linewidth=0.6))
     extras = [(name, counts) for name, counts in (("none", failure.seen_blank),
                                                   ("other", failure.seen_other_rows))
               if counts and any(counts)]
     for i, (name, counts) in enumerate(extras):
         x = n + 0.3 + 1.1 * i
-        ax.text(x + 0.5, -n - 0.25, name, ha="center", va="top", fontsize=7)
+        ax.text(x + 0.5, -n - 0.25, name, ha="center", va="top", fontsize=8)
         for q, count in enumerate(counts):
             if count:
                 ax.add_patch(Rectangle((x, -q - 1), 1, 1, facecolor=EXTRA_COLOR, hatch="///",
                                        edgecolor="white", linewidth=0.6))
-                ax.text(x + 0.5, -q - 0.5, str(count), ha="center", va="center", fontsize=7)
+                ax.text(x + 0.5, -q - 0.5, str(count), ha="center", va="center", fontsize=8)
     q = failure.position
     ax.add_patch(Rectangle((0, -q - 1), n + 1.1 * len(extras), 1, fill=False,
                            edgecolor="black", linewidth=1.4))
@@ -133,8 +132,8 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
             ax.plot([-0.4, n], [-e, -e], color=EDGE_COLOR, linewidth=1.0, linestyle=":",
                     marker="")
     ticks = sorted({0, n - 1, q})
-    ax.set_xticks(np.array(ticks) + 0.5, [str(t) for t in ticks], fontsize=8)
-    ax.set_yticks(-np.array(ticks) - 0.5, [str(t) for t in ticks], fontsize=8)
+    ax.set_xticks(np.array(ticks) + 0.5, [str(t) for t in ticks], fontsize=9)
+    ax.set_yticks(-np.array(ticks) - 0.5, [str(t) for t in ticks], fontsize=9)
     ax.tick_params(length=2, pad=1)
     ax.set_xlim(0, size + 2.4)
     ax.set_ylim(-n - 0.1, 0.1)
@@ -144,7 +143,7 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
     label = f"chunks {failure.schedule}"
     if any(failure.offsets):
         label += f"\nrow {failure.row} starts at column {offset}"
-    ax.set_title(title if title is not None else label, fontsize=9, loc="left")
+    ax.set_title(title if title is not None else label, fontsize=10, loc="left")
     return ax
 
 
@@ -155,7 +154,7 @@ def failure_legend(fig) -> None:
                      label="in the window, not seen"),
                Patch(facecolor=EXTRA_COLOR, hatch="//", edgecolor="white",
                      label="seen, outside the window"),
-               Patch(facecolor="#EEEEEE", label="causal, outside the window"),
+               Patch(facecolor="#E0E0E0", label="causal, outside the window"),
                Patch(facecolor=EXTRA_COLOR, hatch="///", edgecolor="white",
                      label="n: seen keys holding no token (none) or of another row (other)"),
                Patch(facecolor="none", edgecolor="black", label="the failing query")]
@@ -163,12 +162,12 @@ def failure_legend(fig) -> None:
                bbox_to_anchor=(0.5, -0.01))
 
 
-def failure_grid(failures: Sequence[tuple[str, object]], *, columns: int = 4):
+def failure_grid(failures: Sequence[tuple[str, object]], *, columns: int = 3):
     """Small multiples: one :func:`draw_failure` panel per ``(name, failure)``; returns the
     figure."""
     rows = -(-len(failures) // columns)
     size = max(len(f.expected_mask) for _, f in failures)
-    fig, axes = plt.subplots(rows, columns, figsize=(7.0, 2.2 * rows + 0.7), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(7.0, 2.35 * rows + 0.8), squeeze=False)
     for ax, (name, failure) in zip(axes.flat, failures, strict=False):
         where = f"chunks {failure.schedule}"
         if any(failure.offsets):
@@ -176,6 +175,6 @@ def failure_grid(failures: Sequence[tuple[str, object]], *, columns: int = 4):
         draw_failure(failure, title=f"{name}\n{where}", size=size, ax=ax)
     for ax in axes.flat[len(failures):]:
         ax.axis("off")
-    fig.tight_layout(rect=(0, 0.13, 1, 1), w_pad=0.3, h_pad=0.6)
+    fig.tight_layout(rect=(0, 0.1, 1, 1), w_pad=0.3, h_pad=0.6)
     failure_legend(fig)
     return fig
