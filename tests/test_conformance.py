@@ -144,10 +144,10 @@ def test_failure_rejects_unknown_property_and_report_dict():
 # ---------------------------------------------------------------- the pitfall catalogue
 @pytest.mark.parametrize("name", list(PITFALLS))
 def test_every_pitfall_is_caught_with_its_property_and_a_small_schedule(name):
-    _, factory, prop, batch_size, ragged, sinks = PITFALLS[name]
-    W = 6
-    report = check(factory(W, sinks), window=W, sinks=sinks, batch_size=batch_size,
-                   ragged=ragged, examples=100)
+    pitfall = PITFALLS[name]
+    W, sinks, prop = 6, pitfall.sinks, pitfall.breaks
+    report = check(pitfall.build(W), window=W, sinks=sinks, batch_size=pitfall.batch_size,
+                   ragged=pitfall.ragged, examples=100)
     assert not report.ok and report.properties()[0] == prop, str(report)
     f = report.failures[0]
     assert sum(f.schedule) <= 2 * (W + sinks) + 2 and len(f.schedule) <= 3, str(f)
@@ -161,9 +161,9 @@ def test_every_pitfall_is_caught_with_its_property_and_a_small_schedule(name):
 def test_pitfalls_pass_where_their_bug_cannot_show():
     # the chunk bugs need a chunk; the shared ring needs two rows; padding needs ragged rows
     for name in ("chunk_first", "trim_chunk"):
-        assert check(PITFALLS[name][1](5, 0), window=5, max_chunk=1, examples=20).ok
-    assert check(PITFALLS["shared_ring"][1](5, 0), window=5, examples=20).ok
-    assert check(PITFALLS["padding_in_slots"][1](5, 0), window=5, batch_size=2,
+        assert check(PITFALLS[name].build(5), window=5, max_chunk=1, examples=20).ok
+    assert check(PITFALLS["shared_ring"].build(5), window=5, examples=20).ok
+    assert check(PITFALLS["padding_in_slots"].build(5), window=5, batch_size=2,
                  examples=20).ok
 
 

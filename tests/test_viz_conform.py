@@ -10,8 +10,8 @@ from ringviz.viz.conform import draw_failure, draw_probe, failure_grid
 
 @pytest.fixture(scope="module")
 def failures():
-    return {name: check(PITFALLS[name][1](4, 0), window=4, batch_size=PITFALLS[name][3],
-                        ragged=PITFALLS[name][4], examples=40).failures[0]
+    return {name: check(PITFALLS[name].build(4), window=4, batch_size=PITFALLS[name].batch_size,
+                        ragged=PITFALLS[name].ragged, examples=40).failures[0]
             for name in ("off_by_one", "distance_rule", "shared_ring")}
 
 

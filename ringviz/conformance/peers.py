@@ -73,9 +73,9 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer("mlx_batch_rotating", "mlx-lm BatchRotatingKVCache(W, left_padding)",
          _no_sinks("mlx_batch_rotating", adapters.mlx_batch_rotating), library="mlx-lm",
          dtype=_F32),
-]} | {name: Peer(name, what, factory, sinks=sinks > 0, ragged=ragged, batch_size=batch,
-                 expect=prop, default_sinks=sinks)
-      for name, (what, factory, prop, batch, ragged, sinks) in PITFALLS.items()}
+]} | {name: Peer(name, p.what, p.build, sinks=p.sinks > 0, ragged=p.ragged,
+                 batch_size=p.batch_size, expect=p.breaks, default_sinks=p.sinks)
+      for name, p in PITFALLS.items()}
 
 
 def get(name: str) -> Peer:

@@ -4,26 +4,27 @@ Every entry is a small, plausible cache that one shipped bug or one chapter's tr
 wrong, built on :class:`ringviz.RingKVCache`'s storage. :data:`PITFALLS` names each with what it
 does wrong, where the book (or the field) met it, and the property :func:`check` must report.
 
-=================  ==============================================================  ==========
-name               what the code does wrong                                        breaks
-=================  ==============================================================  ==========
-off_by_one         ring (so window) sized W-1 (ch. 5; HF #37574)                   window
-no_stale_mask      spare slots (1.5 W) and a mask that only asks "filled" (ch. 5)  window
-distance_rule      ``0 <= p - pos < W`` alone: empty slots (-1) visible (ch. 5)    window
-chunk_first        a chunk written before it attends (ch. 6; executorch #20346)    window
-trim_chunk         [ring | chunk] cut to W keys before a chunk attends (rasbt #1008)  window
-temporal_mask      slots masked as if in temporal order (ch. 12; HF's stock masks)  window
-padding_in_slots   padding counted as tokens: it takes slots (ch. 7; mlx-lm #439)   window
-shared_ring        the rows of a batch take turns in one ring (ch. 7)              window
-sinks_overwritten  sinks kept by the mask but not by the storage (mlx-lm #1631)    window
-slot_rope          keys turned again, to their slot ``pos % W`` (ch. 4)            values
-=================  ==============================================================  ==========
+=================  ============================================================  ======
+name               what the code does wrong                                      breaks
+=================  ============================================================  ======
+off_by_one         ring (so window) sized W-1 (ch. 5; HF #37574)                 window
+no_stale_mask      spare slots (1.5 W), a mask that asks only "filled" (ch. 5)   window
+distance_rule      ``0 <= p - pos < W`` alone: empty slots visible (ch. 5)       window
+chunk_first        a chunk written before it attends (ch. 6; executorch #20346)  window
+trim_chunk         [ring | chunk] cut to W keys before it attends (rasbt #1008)  window
+temporal_mask      slots masked as if in temporal order (ch. 12; HF's masks)     window
+padding_in_slots   padding counted as tokens, taking slots (ch. 7; mlx-lm #439)  window
+shared_ring        the rows of a batch take turns in one ring (ch. 7)            window
+sinks_overwritten  sinks kept by the mask, not by the storage (mlx-lm #1631)     window
+slot_rope          keys turned again, to their slot ``pos % W`` (ch. 4)          values
+=================  ============================================================  ======
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -204,26 +205,41 @@ def slot_rope(window: int) -> MakeStep:
     return _lazy(build)
 
 
-# name -> (what it does wrong, factory(window, sinks), property, batch_size, ragged, sinks)
-PITFALLS: dict[str, tuple[str, Callable[[int, int], MakeStep], str, int, bool, int]] = {
-    "off_by_one": ("ring (and so window) sized W-1", lambda w, s: off_by_one(w),
-                   "window", 1, False, 0),
-    "no_stale_mask": ("spare slots (1.5 W), mask checks 'filled' only",
-                      lambda w, s: no_stale_mask(w), "window", 1, False, 0),
-    "distance_rule": ("mask 0 <= p - pos < W: empty slots visible",
-                      lambda w, s: distance_rule(w), "window", 1, False, 0),
-    "chunk_first": ("a chunk written before it attends", lambda w, s: chunk_first(w),
-                    "window", 1, False, 0),
-    "trim_chunk": ("[ring | chunk] cut to W keys before a chunk attends",
-                   lambda w, s: trim_chunk(w), "window", 1, False, 0),
-    "temporal_mask": ("ring slots masked as if in temporal order",
-                      lambda w, s: temporal_mask(w), "window", 1, False, 0),
-    "padding_in_slots": ("padding counted as tokens: it takes ring slots",
-                         lambda w, s: padding_in_slots(w), "window", 2, True, 0),
-    "shared_ring": ("the rows of a batch take turns in one ring", lambda w, s: shared_ring(w),
-                    "window", 2, False, 0),
-    "sinks_overwritten": ("sinks kept by the mask, overwritten in the ring",
-                          lambda w, s: sinks_overwritten(w, s), "window", 1, False, 2),
-    "slot_rope": ("keys turned again, to their slot pos % W", lambda w, s: slot_rope(w),
-                  "values", 1, False, 0),
+@dataclass(frozen=True)
+class Pitfall:
+    """One buggy cache of the catalogue: what it does wrong, the property the kit must report,
+    and the batch it needs for the bug to show (two rows to share a ring, ragged ones to pad)."""
+
+    what: str
+    factory: Callable[..., MakeStep]  # factory(window), or factory(window, sinks) if sinks
+    breaks: str
+    batch_size: int = 1
+    ragged: bool = False
+    sinks: int = 0
+
+    def build(self, window: int, sinks: int | None = None) -> MakeStep:
+        """The buggy cache's ``make_step`` for ``window`` (and its sinks, if it keeps any)."""
+        if not self.sinks:
+            return self.factory(window)
+        return self.factory(window, self.sinks if sinks is None else sinks)
+
+
+PITFALLS: dict[str, Pitfall] = {
+    "off_by_one": Pitfall("ring (and so window) sized W-1", off_by_one, "window"),
+    "no_stale_mask": Pitfall("spare slots (1.5 W), mask checks 'filled' only", no_stale_mask,
+                             "window"),
+    "distance_rule": Pitfall("mask 0 <= p - pos < W: empty slots visible", distance_rule,
+                             "window"),
+    "chunk_first": Pitfall("a chunk written before it attends", chunk_first, "window"),
+    "trim_chunk": Pitfall("[ring | chunk] cut to W keys before a chunk attends", trim_chunk,
+                          "window"),
+    "temporal_mask": Pitfall("ring slots masked as if in temporal order", temporal_mask,
+                             "window"),
+    "padding_in_slots": Pitfall("padding counted as tokens: it takes ring slots",
+                                padding_in_slots, "window", batch_size=2, ragged=True),
+    "shared_ring": Pitfall("the rows of a batch take turns in one ring", shared_ring, "window",
+                           batch_size=2),
+    "sinks_overwritten": Pitfall("sinks kept by the mask, overwritten in the ring",
+                                 sinks_overwritten, "window", sinks=2),
+    "slot_rope": Pitfall("keys turned again, to their slot pos % W", slot_rope, "values"),
 }
