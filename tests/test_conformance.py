@@ -239,3 +239,23 @@ def test_check_runs_on_every_device(device):
     report = check(ringviz_ring(4, sinks=1), window=4, sinks=1, batch_size=2, ragged=True,
                    examples=10, device=device)
     assert report.ok, str(report)
+
+
+def test_a_cache_wrong_only_sometimes_is_reported_once_per_property():
+    calls = iter(range(10**6))
+
+    def sometimes(step, q, k, v, p):
+        out = step(q, k, v, p)
+        return out + 1 if next(calls) % 7 == 3 else out
+
+    report = check(_wrapped(ringviz_ring(4), sometimes), window=4, examples=30)
+    assert report.properties() == ["values"] and len(report.failures) == 1
+
+
+def test_a_step_writing_into_its_inputs_cannot_fool_the_reference():
+    def rotate_in_place(step, q, k, v, p):
+        k.mul_(-1.0)  # the kit's own copy of k is untouched: the reference still sees +k
+        return step(q, k, v, p)
+
+    report = check(_wrapped(ringviz_ring(4), rotate_in_place), window=4, examples=20)
+    assert report.properties() == ["values"]

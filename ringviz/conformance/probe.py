@@ -68,9 +68,11 @@ def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tens
         raise StepError(0, f"make_step raised {type(err).__name__}: {err}") from err
     outs = []
     for i, (a, b) in enumerate(schedule.bounds()):
+        # copies: a step that writes into its inputs must not change what the kit compares
+        chunk = [t[:, :, a:b].clone() for t in (q, k, v)] + [positions[:, a:b].clone()]
         try:
             with torch.no_grad():
-                out = step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], positions[:, a:b])
+                out = step(*chunk)
         except Unsupported:
             raise
         except Exception as err:  # noqa: BLE001 -- the kit reports, never propagates
