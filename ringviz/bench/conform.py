@@ -16,16 +16,19 @@ import numpy as np
 import torch
 
 from ringviz.bench.harness import summarize
-from ringviz.conformance.peers import get, run
-from ringviz.conformance.probe import NUM_HEADS, NUM_KV_HEADS, head_dim_for
-from ringviz.conformance.schedule import default_limits
 
+# ringviz.conformance (and so hypothesis) is imported by conform_rows alone: `import
+# ringviz.bench`, and the CLI that lists its parts, do not need it
 CONFORM_CACHES = ("ringviz_ring", "ringviz_hf", "hf_static_sliding", "mlx_rotating_window")
 
 
 def conform_rows(*, caches: tuple[str, ...], window: int, examples: int, reps: int,
                  log: Callable[[str], None]) -> list[dict]:
     """One row per cache: seconds per whole check (median, p10, p90 over ``reps``)."""
+    from ringviz.conformance.peers import get, run
+    from ringviz.conformance.probe import NUM_HEADS, NUM_KV_HEADS, head_dim_for
+    from ringviz.conformance.schedule import default_limits
+
     times: dict[str, list[float]] = {name: [] for name in caches}
     reports = {}
     for _ in range(reps):
