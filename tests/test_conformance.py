@@ -216,6 +216,20 @@ def test_mlx_batch_rotating_ragged_rows_are_caught():
     f = report.failures[0]
     assert f.property == "window" and any(f.offsets) and report.skipped > 0
     assert set(f.seen) < set(f.expected)  # a key of the window hidden from a padded row
+    # mlx itself, without the kit: the schedule it reports, each key valued by its column
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
+    assert (f.schedule, f.offsets, f.row, f.position) == ([6, 1, 2], [0, 2], 1, 5)
+    cache = BatchRotatingKVCache(6, left_padding=[0, 2])
+    for cols in ([0, 1, 2, 3, 4, 5], [6], [7, 8]):
+        k = mx.array(np.array(cols, dtype=np.float32).reshape(1, 1, -1, 1).repeat(2, 0))
+        mask = np.array(cache.make_mask(len(cols), window_size=6))
+        keys = np.array(cache.update_and_fetch(k, k)[0])[1, 0, :, 0].astype(int).tolist()
+    seen_cols = [c for c, m in zip(keys, mask[1, 0, 0].tolist(), strict=True) if m]
+    assert seen_cols == [c + 2 for c in f.seen]  # row 1 starts at column 2
+    assert 2 in keys and 2 not in seen_cols  # its position 0 is held, and masked
 
 
 def test_declined_schedules_are_skipped_and_counted():
