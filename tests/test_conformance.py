@@ -273,3 +273,19 @@ def test_a_step_writing_into_its_inputs_cannot_fool_the_reference():
 
     report = check(_wrapped(ringviz_ring(4), rotate_in_place), window=4, examples=20)
     assert report.properties() == ["values"]
+
+
+def test_more_ids_than_head_dim_take_several_probes():
+    from ringviz.conformance.probe import MAX_HEAD_DIM, probe_weights
+
+    s = Schedule((30, 1, 9), (0, 3))  # 2 rows x 40 columns: 80 ids > 64 entries per probe
+    assert s.batch_size * s.columns > MAX_HEAD_DIM
+    pos = s.positions()
+    w = probe_weights(ringviz_ring(5), s, pos, dtype=torch.float64,
+                      device=torch.device("cpu"), gen=torch.Generator().manual_seed(0))
+    assert w.shape == (2, 4, 40, 80)
+    real = pos >= 0
+    assert torch.allclose(w.sum(-1)[real[:, None].expand(2, 4, 40)],
+                          torch.ones((), dtype=torch.float64))
+    # row 1's last query (position 36) reads 1/5 on ids 40 + 35 .. 40 + 39, past the first probe
+    assert torch.allclose(w[1, 0, 39, 75:80], torch.full((5,), 0.2, dtype=torch.float64))
