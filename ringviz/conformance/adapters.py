@@ -100,19 +100,16 @@ def hf_static_sliding(window: int, max_cache_len: int = 4096) -> MakeStep:
 
 
 def ringviz_hf(window: int, sinks: int = 0) -> MakeStep:
-    """ringviz.hf's ring layer, as ``RingCache`` drives it: mask from the positions its keys
-    will hold (built before the write, as the mask hook does), ``update``, then its attention."""
-    from ringviz import band_mask
+    """ringviz.hf's ring layer, as ``RingCache`` drives it: the mask from the positions its
+    keys will hold (built before the write, as the forward plan does), then its step."""
     from ringviz.hf import RingLayer
 
     def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
         layer = RingLayer(window, sinks=sinks)
 
         def step(q, k, v, positions):
-            mask = band_mask(positions, layer.key_positions(positions), window, sinks)
-            keys, values = layer.update(k, v, positions=positions,
-                                        padded=bool((positions < 0).any()))
-            return layer.attention(q, keys, values, mask, q.shape[-1] ** -0.5)
+            mask = layer.mask(positions)
+            return layer.step(q, k, v, positions, mask, q.shape[-1] ** -0.5)
 
         return step
 
