@@ -1,0 +1,137 @@
+"""``check(make_step, window=W)``: hypothesis draws schedules, shrinks the ones that fail.
+
+Each example is one :class:`~ringviz.conformance.schedule.Schedule` run through fresh caches
+(:func:`~ringviz.conformance.probe.evaluate`). A failing example raises an exception of its
+property's class; hypothesis then shrinks it (fewer, smaller chunks, smaller offsets) while the
+same property keeps failing, and with ``report_multiple_bugs`` it shrinks each property apart.
+The run is seeded (``@seed``) and keeps no example database, so the same call gives the same
+report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Flaky
+
+from ringviz.checks import check_int
+from ringviz.conformance.probe import MakeStep, evaluate
+from ringviz.conformance.report import Failure, Report
+from ringviz.conformance.schedule import schedules
+
+
+class _Broken(Exception):
+    """A property broke on the example hypothesis is running (one subclass per property)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+class _WindowBroken(_Broken):
+    pass
+
+
+class _ValuesBroken(_Broken):
+    pass
+
+
+class _StepBroken(_Broken):
+    pass
+
+
+def _raise(failure: Failure) -> None:
+    # one raise per property, each on its own line: hypothesis tells bugs apart by where they
+    # are raised, and shrinks each one on its own
+    if failure.property == "window":
+        raise _WindowBroken(failure)
+    if failure.property == "values":
+        raise _ValuesBroken(failure)
+    raise _StepBroken(failure)
+
+
+def _leaves(err: BaseException) -> list[BaseException]:
+    """The exceptions inside an exception group (hypothesis's several bugs), or ``[err]``."""
+    if isinstance(getattr(err, "exceptions", None), (list, tuple)):  # (Base)ExceptionGroup
+        return [leaf for sub in err.exceptions for leaf in _leaves(sub)]
+    return [err]
+
+
+def _check_args(make_step: object, window: object, sinks: object, batch_size: object,
+                ragged: object, examples: object, seed: object, dtype: object,
+                max_chunk: object) -> None:
+    if not callable(make_step):
+        raise TypeError(f"make_step must be callable, got {type(make_step).__name__}")
+    check_int("window", window)
+    check_int("sinks", sinks, minimum=0)
+    check_int("batch_size", batch_size)
+    check_int("examples", examples)
+    check_int("seed", seed, minimum=0)
+    if max_chunk is not None:
+        check_int("max_chunk", max_chunk)
+    if not isinstance(ragged, bool):
+        raise TypeError(f"ragged must be a bool, got {type(ragged).__name__}")
+    if ragged and batch_size < 2:
+        raise ValueError(f"ragged=True needs batch_size >= 2 (rows that start at different "
+                         f"times), got batch_size={batch_size}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+
+
+def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int = 1,
+          ragged: bool = False, examples: int = 100, seed: int = 0,
+          dtype: torch.dtype = torch.float64, max_chunk: int | None = None,
+          device: torch.device | str = "cpu", name: str = "",
+          progress: Callable[[int], None] | None = None) -> Report:
+    """Check a sliding-window cache on ``examples`` schedules; a :class:`Report`, never a raise.
+
+    ``make_step(*, batch_size, num_heads, num_kv_heads, head_dim)`` builds a fresh cache and
+    returns ``step(q, k, v, positions) -> out`` (shapes in :mod:`ringviz.conformance`). A query
+    at position ``p`` must see exactly the keys ``max(0, p - window + 1) .. p`` and ``0 ..
+    sinks - 1`` of its own row. ``max_chunk`` caps the chunk sizes (1: decode steps only);
+    ``progress(n)`` is called after each schedule run.
+
+    >>> from ringviz.conformance.adapters import ringviz_ring
+    >>> check(ringviz_ring(4), window=4, examples=10).ok
+    True
+    """
+    _check_args(make_step, window, sinks, batch_size, ragged, examples, seed, dtype, max_chunk)
+    device = torch.device(device)
+    runs = 0
+
+    @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
+              phases=(Phase.generate, Phase.shrink), report_multiple_bugs=True,
+              suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet,
+              print_blob=False)
+    @hypothesis_seed(seed)
+    @given(schedules(window=window, sinks=sinks, batch_size=batch_size, ragged=ragged,
+                     max_chunk=max_chunk))
+    def conforms(schedule) -> None:
+        nonlocal runs
+        runs += 1
+        found = evaluate(make_step, schedule, window=window, sinks=sinks, dtype=dtype,
+                         device=device, seed=seed)
+        if progress is not None:
+            progress(runs)
+        if found is not None:
+            _raise(found)
+
+    failures: list[Failure] = []
+    try:
+        conforms()
+    except Flaky as err:  # the same schedule passed once and failed once
+        failures.append(Failure("error", [], [], message=f"the cache answered the same "
+                                f"schedule two ways (nondeterministic): {err}"))
+    except BaseException as err:
+        leaves = _leaves(err)
+        if not all(isinstance(leaf, _Broken) for leaf in leaves):
+            raise
+        failures = [leaf.failure for leaf in leaves]
+    order = {"window": 0, "values": 1, "error": 2}
+    failures.sort(key=lambda f: (order[f.property], len(f.schedule), sum(f.schedule)))
+    return Report(failures=failures, examples=runs, window=window, sinks=sinks,
+                  batch_size=batch_size, ragged=ragged, max_chunk=max_chunk, seed=seed,
+                  name=name)
