@@ -37,6 +37,20 @@ def teaching_ring(name: str) -> type:
     return namespace[name]
 
 
+def unmarked(source: str) -> str:
+    """The code without its ``# NEW`` / ``# CHANGED`` comments (what the next chapter starts from)."""
+    return "\n".join(line.split("  # NEW")[0].split("  # CHANGED")[0] for line in source.split("\n"))
+
+
+@pytest.mark.parametrize("earlier, later", [
+    (("03_ring_indexing", "ch03-ring"), ("06_prefill", "ch06-ring3")),
+    (("06_prefill", "ch06-ring"), ("07_batching", "ch07-ring6")),
+    (("07_batching", "ch07-ring"), ("08_beyond_one_ring", "ch08-ring7"))])
+def test_each_chapter_starts_from_the_previous_ring(earlier, later):
+    """The hidden copy a chapter starts from is the previous chapter's ring, unchanged."""
+    assert cell_source(*later) == unmarked(cell_source(*earlier))
+
+
 def run(step, q, k, v, pos, sizes):
     outs, t = [], 0
     for n in sizes:
