@@ -77,8 +77,9 @@ def check_kv(k: object, v: object, *, batch_size: int, num_kv_heads: int, head_d
 
 
 def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype, device: torch.device) -> None:
-    """``q`` must be ``(B, Hq, T, head_dim)`` on ``device`` in ``dtype``, ``Hq % Hkv == 0``."""
+                dtype: torch.dtype, device: torch.device, q_positions: object = None) -> None:
+    """``q`` must be ``(B, Hq, T, head_dim)`` on ``device`` in ``dtype``, ``Hq % Hkv == 0``;
+    ``q_positions``, when given, an integer tensor ``(B, T)``."""
     check_tensor("q", q, device)
     if q.dtype != dtype:
         raise TypeError(f"q has dtype {q.dtype}, the cache holds {dtype}")
@@ -88,6 +89,13 @@ def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_d
     if q.shape[1] == 0 or q.shape[1] % num_kv_heads:
         raise ValueError(f"Hq={q.shape[1]} query heads is not a positive multiple of "
                          f"n_kv_heads={num_kv_heads}")
+    if q_positions is None:
+        return
+    if not isinstance(q_positions, torch.Tensor):
+        raise TypeError(f"q_positions must be a torch.Tensor, got {type(q_positions).__name__}")
+    if q_positions.shape != (batch_size, T) or q_positions.is_floating_point():
+        raise ValueError(f"q_positions must be integer (B, T) = {(batch_size, T)}, got "
+                         f"{q_positions.dtype} {tuple(q_positions.shape)}")
 
 
 def check_positions(positions: torch.Tensor, newest: torch.Tensor, T: int) -> None:
@@ -205,3 +213,20 @@ def check_sink_rope(rope: object, sinks: int, head_dim: int, dtype: torch.dtype,
             raise ValueError("sink_rope is not a rotation by position: f(x, 0) must return x, "
                              "f(x, 1) turn x and keep its norm")
     return rope
+
+
+SINK_ROPES = (None, "cache")  # the sink conventions by name: absolute positions, StreamingLLM's
+
+
+def check_sinks(sinks: object, sink_rope: object) -> int:
+    """Return ``sinks`` as an int if ``(sinks, sink_rope)`` is a valid choice; raise otherwise.
+
+    What ``RingRunner`` and ``ringviz.hf.RingCache`` accept: ``sinks`` an int >= 0 and
+    ``sink_rope`` one of :data:`SINK_ROPES`, ``"cache"`` only with ``sinks >= 1``.
+    """
+    sinks = check_int("sinks", sinks, minimum=0)
+    if sink_rope not in SINK_ROPES:
+        raise ValueError(f"sink_rope must be one of {SINK_ROPES}, got {sink_rope!r}")
+    if sink_rope is not None and sinks == 0:
+        raise ValueError(f"sink_rope={sink_rope!r} turns sink keys: it needs sinks >= 1")
+    return sinks

@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import Collect, prompt, run, tiny_gemma, tiny_llama  # noqa: E402
+from tiny_models import Collect, prompt, run, tiny_gemma, tiny_llama  # noqa: E402
 
 from ringviz import hf  # noqa: E402
 from ringviz.hf import attention  # noqa: E402
@@ -155,7 +155,7 @@ def test_ring_memory_is_fixed_with_sinks():
     ({"sink_rope": "cache"}, ValueError, "needs sinks >= 1"),
 ])
 def test_bad_sink_arguments_raise_and_change_nothing(kwargs, error, match):
-    model = tiny_gemma(torch.float32)
+    model = tiny_gemma(dtype=torch.float32)
     with pytest.raises(error, match=match):
         hf.RingCache(model, **kwargs)
     with pytest.raises(error, match=match):
@@ -173,7 +173,7 @@ def test_bad_sink_arguments_raise_and_change_nothing(kwargs, error, match):
 
 @pytest.mark.parametrize("kwargs", [{}, {"sinks": 2}, {"sinks": 3, "sink_rope": "cache"}])
 def test_a_cache_with_other_sinks_is_refused(kwargs):
-    model = tiny_gemma(torch.float32)
+    model = tiny_gemma(dtype=torch.float32)
     cache = hf.RingCache(model, sinks=2, sink_rope="cache")
     with pytest.raises(ValueError, match="differ from the cache's"):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=3, **kwargs)
