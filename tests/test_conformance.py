@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from ringviz.conformance import Failure, Report, Schedule, check
-from ringviz.conformance.adapters import ringviz_ring
+from ringviz.conformance import Failure, Report, Schedule, Unsupported, check
+from ringviz.conformance.adapters import (
+    hf_dynamic_sliding,
+    hf_static_sliding,
+    mlx_batch_rotating,
+    mlx_rotating,
+    ringviz_hf,
+    ringviz_ring,
+)
+from ringviz.conformance.pitfalls import PITFALLS
 from ringviz.conformance.probe import read_seen
 
 
@@ -131,3 +139,137 @@ def test_failure_rejects_unknown_property_and_report_dict():
         Failure("speed", [1], [0], message="")
     d = Report(failures=[], examples=3, window=4).to_dict()
     assert d["ok"] and d["examples"] == 3
+
+
+# ---------------------------------------------------------------- the pitfall catalogue
+@pytest.mark.parametrize("name", list(PITFALLS))
+def test_every_pitfall_is_caught_with_its_property_and_a_small_schedule(name):
+    pitfall = PITFALLS[name]
+    W, sinks, prop = 6, pitfall.sinks, pitfall.breaks
+    report = check(pitfall.build(W), window=W, sinks=sinks, batch_size=pitfall.batch_size,
+                   ragged=pitfall.ragged, examples=100)
+    assert not report.ok and report.properties()[0] == prop, str(report)
+    f = report.failures[0]
+    assert sum(f.schedule) <= 2 * (W + sinks) + 2 and len(f.schedule) <= 3, str(f)
+    if prop == "window":
+        assert f.expected != f.seen or f.other_rows
+        assert f.expected_mask != f.seen_mask or f.other_rows or -1 in f.seen
+    else:
+        assert f.max_error > 1e-3
+
+
+def test_pitfalls_pass_where_their_bug_cannot_show():
+    # the chunk bugs need a chunk; the shared ring needs two rows; padding needs ragged rows
+    for name in ("chunk_first", "trim_chunk"):
+        assert check(PITFALLS[name].build(5), window=5, max_chunk=1, examples=20).ok
+    assert check(PITFALLS["shared_ring"].build(5), window=5, examples=20).ok
+    assert check(PITFALLS["padding_in_slots"].build(5), window=5, batch_size=2,
+                 examples=20).ok
+
+
+# ---------------------------------------------------------------- peers
+@pytest.mark.parametrize(("factory", "kwargs"), [
+    (lambda: ringviz_hf(5), {"batch_size": 2, "ragged": True}),
+    (lambda: ringviz_hf(5, 2), {"sinks": 2, "batch_size": 2, "ragged": True}),
+    (lambda: hf_dynamic_sliding(5), {"batch_size": 2, "ragged": True}),
+    (lambda: hf_static_sliding(5), {"batch_size": 2, "ragged": True}),
+    (lambda: hf_static_sliding(5), {}),
+])
+def test_correct_peers_pass(factory, kwargs):
+    report = check(factory(), window=5, examples=40, **kwargs)
+    assert report.ok, str(report)
+
+
+def test_mlx_rotating_without_sinks_passes():
+    pytest.importorskip("mlx_lm")
+    assert check(mlx_rotating(6), window=6, examples=60, dtype=torch.float32).ok
+    assert check(mlx_rotating(6, window_size=6), window=6, examples=60, dtype=torch.float32).ok
+
+
+def test_mlx_rotating_with_sinks_is_caught_and_the_kit_reads_mlx_own_mask():
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    from mlx_lm.models.cache import RotatingKVCache
+
+    report = check(mlx_rotating(8, keep=2), window=6, sinks=2, examples=100,
+                   dtype=torch.float32)
+    assert report.properties() == ["window"]
+    f = report.failures[0]
+    assert f.schedule == [9] and f.position == 8  # a first chunk longer than max_size
+    # mlx's own mask for that chunk: a plain causal band of 8 keys, no sinks
+    cache = RotatingKVCache(max_size=8, keep=2)
+    mask = cache.make_mask(9)
+    row = [int(i) for i, seen in enumerate(mx.array(mask)[8].tolist()) if seen]
+    assert row == f.seen == [1, 2, 3, 4, 5, 6, 7, 8] and f.expected == [0, 1, 3, 4, 5, 6, 7, 8]
+    # chunks of at most 4 after decode steps: the finding of the issue (sinks lost after a wrap)
+    small = check(mlx_rotating(8, keep=2), window=6, sinks=2, examples=100,
+                  dtype=torch.float32, max_chunk=4).failures[0]
+    assert small.property == "window" and max(small.schedule) <= 4 and 0 not in small.seen
+
+
+def test_mlx_batch_rotating_ragged_rows_are_caught():
+    pytest.importorskip("mlx_lm")
+    assert check(mlx_batch_rotating(6), window=6, batch_size=2, examples=40,
+                 dtype=torch.float32).ok
+    report = check(mlx_batch_rotating(6), window=6, batch_size=2, ragged=True,
+                   dtype=torch.float32)
+    f = report.failures[0]
+    assert f.property == "window" and any(f.offsets) and report.skipped > 0
+    assert set(f.seen) < set(f.expected)  # a key of the window hidden from a padded row
+    # mlx itself, without the kit: the schedule it reports, each key valued by its column
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
+    assert (f.schedule, f.offsets, f.row, f.position) == ([6, 1, 2], [0, 2], 1, 5)
+    cache = BatchRotatingKVCache(6, left_padding=[0, 2])
+    for cols in ([0, 1, 2, 3, 4, 5], [6], [7, 8]):
+        k = mx.array(np.array(cols, dtype=np.float32).reshape(1, 1, -1, 1).repeat(2, 0))
+        mask = np.array(cache.make_mask(len(cols), window_size=6))
+        keys = np.array(cache.update_and_fetch(k, k)[0])[1, 0, :, 0].astype(int).tolist()
+    seen_cols = [c for c, m in zip(keys, mask[1, 0, 0].tolist(), strict=True) if m]
+    assert seen_cols == [c + 2 for c in f.seen]  # row 1 starts at column 2
+    assert 2 in keys and 2 not in seen_cols  # its position 0 is held, and masked
+
+
+def test_declined_schedules_are_skipped_and_counted():
+    def picky(step, q, k, v, p):
+        if q.shape[2] > 2:
+            raise Unsupported("chunks of at most 2")
+        return step(q, k, v, p)
+
+    report = check(_wrapped(ringviz_ring(4), picky), window=4, examples=30)
+    assert report.ok and report.skipped > 0 and "declined" in str(report)
+
+    def never(step, q, k, v, p):
+        raise Unsupported("nothing")
+
+    report = check(_wrapped(ringviz_ring(4), never), window=4, examples=10)
+    assert report.properties() == ["error"] and "declined every schedule" in \
+        report.failures[0].message
+
+
+def test_check_runs_on_every_device(device):
+    report = check(ringviz_ring(4, sinks=1), window=4, sinks=1, batch_size=2, ragged=True,
+                   examples=10, device=device)
+    assert report.ok, str(report)
+
+
+def test_a_cache_wrong_only_sometimes_is_reported_once_per_property():
+    calls = iter(range(10**6))
+
+    def sometimes(step, q, k, v, p):
+        out = step(q, k, v, p)
+        return out + 1 if next(calls) % 7 == 3 else out
+
+    report = check(_wrapped(ringviz_ring(4), sometimes), window=4, examples=30)
+    assert report.properties() == ["values"] and len(report.failures) == 1
+
+
+def test_a_step_writing_into_its_inputs_cannot_fool_the_reference():
+    def rotate_in_place(step, q, k, v, p):
+        k.mul_(-1.0)  # the kit's own copy of k is untouched: the reference still sees +k
+        return step(q, k, v, p)
+
+    report = check(_wrapped(ringviz_ring(4), rotate_in_place), window=4, examples=20)
+    assert report.properties() == ["values"]

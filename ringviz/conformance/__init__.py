@@ -18,7 +18,8 @@ How it reads the keys a query saw without looking inside the cache: :mod:`.probe
 """
 
 from ringviz.conformance.kit import check
+from ringviz.conformance.probe import Unsupported
 from ringviz.conformance.report import Failure, Report
 from ringviz.conformance.schedule import Schedule
 
-__all__ = ["Failure", "Report", "Schedule", "check"]
+__all__ = ["Failure", "Report", "Schedule", "Unsupported", "check"]

@@ -35,6 +35,14 @@ PROBE_NOISE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3,
                torch.bfloat16: 8e-3}
 
 
+class Unsupported(ValueError):
+    """Raised by a step for a schedule its cache does not take by design (not a bug).
+
+    :func:`~ringviz.conformance.check` skips such schedules (hypothesis draws others) and counts
+    them in ``Report.skipped``; a cache that takes none of them fails with ``"error"``.
+    """
+
+
 class StepError(Exception):
     """The step raised, or returned something unusable, at chunk ``step``."""
 
@@ -54,13 +62,19 @@ def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tens
     B, Hq, _, D = q.shape
     try:
         step = make_step(batch_size=B, num_heads=Hq, num_kv_heads=k.shape[1], head_dim=D)
+    except Unsupported:
+        raise
     except Exception as err:  # noqa: BLE001 -- a cache that cannot be built is reported
         raise StepError(0, f"make_step raised {type(err).__name__}: {err}") from err
     outs = []
     for i, (a, b) in enumerate(schedule.bounds()):
+        # copies: a step that writes into its inputs must not change what the kit compares
+        chunk = [t[:, :, a:b].clone() for t in (q, k, v)] + [positions[:, a:b].clone()]
         try:
             with torch.no_grad():
-                out = step(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], positions[:, a:b])
+                out = step(*chunk)
+        except Unsupported:
+            raise
         except Exception as err:  # noqa: BLE001 -- the kit reports, never propagates
             raise StepError(i, f"{type(err).__name__}: {err}") from err
         want = (B, Hq, b - a, D)
@@ -159,17 +173,21 @@ def _window(schedule: Schedule, positions: torch.Tensor, mask: torch.Tensor,
     expected, seen, others = found
     real = (positions[b] >= 0).nonzero()[:, 0]  # the row's real columns, in position order
     N = positions.shape[1]
-    seen_grid = []
+    seen_grid, blank, foreign = [], [], []
     for qc in real.tolist():
-        counts, _ = read_seen(weights[b, qc], noise)
-        cols = {j - b * N for j in counts if b * N <= j < (b + 1) * N}
-        seen_grid.append([kc in cols for kc in real.tolist()])
+        counts, none = read_seen(weights[b, qc], noise)
+        own = {j - b * N: n for j, n in counts.items() if b * N <= j < (b + 1) * N}
+        seen_grid.append([kc in own for kc in real.tolist()])
+        pads = sum(n for c, n in own.items() if positions[b, c] < 0)
+        blank.append(none + pads)  # keys that hold no token of the row: empty slots, padding
+        foreign.append(sum(counts.values()) - sum(own.values()))
     expected_grid = mask[b][real][:, real].tolist()
     step = next(i for i, (lo, hi) in enumerate(schedule.bounds()) if lo <= c < hi)
     return Failure("window", list(schedule.chunks), list(schedule.offsets),
                    message=f"query saw {seen}, expected {expected}", step=step, row=b,
                    position=int(positions[b, c]), expected=expected, seen=seen, other_rows=others,
-                   expected_mask=expected_grid, seen_mask=seen_grid)
+                   expected_mask=expected_grid, seen_mask=seen_grid, seen_blank=blank,
+                   seen_other_rows=foreign)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -210,7 +228,10 @@ def values_failure(make_step: MakeStep, schedule: Schedule, positions: torch.Ten
 
 def evaluate(make_step: MakeStep, schedule: Schedule, *, window: int, sinks: int,
              dtype: torch.dtype, device: torch.device, seed: int) -> Failure | None:
-    """The first property ``schedule`` breaks: window, then values; errors as ``"error"``."""
+    """The first property ``schedule`` breaks: window, then values; errors as ``"error"``.
+
+    Raises :class:`Unsupported` if the cache declines the schedule.
+    """
     gen = torch.Generator().manual_seed(seed)
     positions = schedule.positions().to(device)
     mask = expected_mask(positions, window, sinks)

@@ -6,7 +6,8 @@ A failure names the property it breaks:
   key positions of its own row; ``-1`` counts a key that holds no token of the row: an empty
   slot, a padding token or a zero vector; ``other_rows`` lists keys of other rows as
   ``(row, position)``). ``expected_mask`` and ``seen_mask`` are the whole row's query x key
-  grids for the failing schedule.
+  grids for the failing schedule, ``seen_blank`` and ``seen_other_rows`` each query's count of
+  keys outside them.
 * ``"values"``: the same keys, but the output is off a float64 softmax over them by
   ``max_error``, more than the dtype allows.
 * ``"error"``: the step raised, or returned something that is not a ``(B, Hq, T, D)`` tensor
@@ -40,6 +41,8 @@ class Failure:
     max_error: float | None = None
     expected_mask: list[list[bool]] | None = None  # (queries, keys) of ``row``, by position
     seen_mask: list[list[bool]] | None = None
+    seen_blank: list[int] | None = None  # per query of ``row``: keys holding no token of it
+    seen_other_rows: list[int] | None = None  # per query of ``row``: keys of other rows
 
     def __post_init__(self) -> None:
         if self.property not in PROPERTIES:
@@ -55,12 +58,13 @@ class Failure:
     def __str__(self) -> str:
         head = f"{self.property}: {self.where()}"
         if self.property == "window":
-            return (f"{head}\n  row {self.row}, query at position {self.position} (chunk "
-                    f"{self.step}): expected keys {self.expected}, saw {self.seen}"
-                    + (f" and keys of other rows {self.other_rows}" if self.other_rows else ""))
+            others = f"\n  and keys of other rows (row, position) {self.other_rows}"
+            return (f"{head}\n  row {self.row}, query at position {self.position} "
+                    f"(chunk {self.step})\n  expected keys {self.expected}\n  saw keys      "
+                    f"{self.seen}" + (others if self.other_rows else ""))
         if self.property == "values":
-            return (f"{head}\n  row {self.row}, query at position {self.position}: the right "
-                    f"keys, but |out - softmax reference| = {self.max_error:.3g}")
+            return (f"{head}\n  row {self.row}, query at position {self.position}: the "
+                    f"right keys, but\n  |out - softmax reference| = {self.max_error:.3g}")
         return f"{head}\n  chunk {self.step}: {self.message}"
 
 
@@ -71,6 +75,7 @@ class Report:
     failures: list[Failure]
     examples: int  # schedules run, shrinking included
     window: int
+    skipped: int = 0  # schedules the cache declined by design (Unsupported), among examples
     sinks: int = 0
     batch_size: int = 1
     ragged: bool = False
@@ -91,16 +96,19 @@ class Report:
         return {"name": self.name, "ok": self.ok, "examples": self.examples,
                 "window": self.window, "sinks": self.sinks, "batch_size": self.batch_size,
                 "ragged": self.ragged, "max_chunk": self.max_chunk, "seed": self.seed,
+                "skipped": self.skipped,
                 "failures": [asdict(f) for f in self.failures]}
 
     def __str__(self) -> str:
         what = (f"{self.name + ': ' if self.name else ''}window {self.window}, sinks "
                 f"{self.sinks}, batch {self.batch_size}{' ragged' if self.ragged else ''}"
                 + (f", chunks <= {self.max_chunk}" if self.max_chunk else ""))
+        declined = f" ({self.skipped} declined by the cache)" if self.skipped else ""
         if self.ok:
-            return f"PASS {what}: {self.examples} schedules, every query saw its window"
+            return (f"PASS {what}: {self.examples} schedules{declined}, every query saw its "
+                    f"window")
         lines = [f"FAIL {what}: {len(self.failures)} propert"
                  f"{'y' if len(self.failures) == 1 else 'ies'} broken in {self.examples} "
-                 f"schedules"]
+                 f"schedules{declined}"]
         lines += [str(f) for f in self.failures]
         return "\n".join(lines)
