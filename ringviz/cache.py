@@ -146,6 +146,11 @@ class RingKVCache:
         return sum(t.numel() * t.element_size() for t in stores)
 
     @property
+    def lengths(self) -> torch.Tensor:
+        """``(B,)`` each row's newest position + 1: where its next token goes (0 when empty)."""
+        return self._last_pos + 1
+
+    @property
     def kv_seqlens(self) -> torch.Tensor:
         """``(B,)`` number of cached entries visible to each row's newest position."""
         return self._visible_now().sum(dim=-1)

@@ -228,7 +228,7 @@ def test_ring_bytes_flat_from_20_to_2000_tokens():
     assert cache.get_seq_length() == 10 + 2000 - 1  # the last token is never fed back
     assert streamer.ring_bytes[20] == streamer.ring_bytes[2000 + 9] > 0
     full = [layer for layer in cache.layers if isinstance(layer, hf.FullLayer)]
-    assert full[0].capacity == 10 + 2000  # reserved once by generate, never regrown
+    assert 10 + 2000 <= full[0].capacity < 2 * (10 + 2000)  # grown by doubling, not reserved
 
 
 def test_full_layer_grows_geometrically_without_a_reserve():
@@ -296,7 +296,7 @@ def test_plain_generate_with_a_ring_cache_raises_naming_the_call():
     assert cache.get_seq_length() == 0 and cache.nbytes == 0  # refused before any write
 
 
-def test_used_cache_is_refused_and_switch_restored_on_error():
+def test_interrupted_cache_still_refuses_a_non_continuation_and_switch_restored():
     model = tiny_gemma(torch.float32)
     cache = hf.RingCache(model)
     with pytest.raises(KeyboardInterrupt):
@@ -304,7 +304,7 @@ def test_used_cache_is_refused_and_switch_restored_on_error():
                     streamer=Collect(fail_at=4))
     assert model.config._attn_implementation == "sdpa" and attention._ACTIVE.cache is None
     state = _state(model, cache)
-    with pytest.raises(ValueError, match="already holds tokens"):
+    with pytest.raises(ValueError, match="whole conversation"):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=3)
     assert _state(model, cache) == state
 

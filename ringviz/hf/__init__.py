@@ -41,8 +41,15 @@ from transformers.generation.configuration_utils import GenerationMode
 
 from ringviz.hf.attention import ATTN_NAME, register, ring_active
 from ringviz.hf.cache import RingCache, check_model
+from ringviz.hf.calls import (
+    UNSET,
+    check_continuation,
+    check_mask_holes,
+    check_settings,
+    effective_attention_mask,
+)
 from ringviz.hf.layers import FullLayer, RingLayer
-from ringviz.models.drive import check_sinks, layer_windows
+from ringviz.models.drive import layer_windows
 
 # default prefill chunk: a prompt is prefilled in chunks of this many tokens. Each chunk is one
 # more pass over the weights (about a decode step: 0.1 s for Gemma-3-270M on one CPU thread), so
@@ -77,43 +84,44 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
         raise ValueError("use_cache=False would bypass the RingCache")
 
 
-def _check_cache(model, cache, window: int | None, sinks: int, sink_rope: str | None) -> None:
-    """Raise unless ``cache`` is an unused RingCache for ``model`` with these settings."""
-    if not isinstance(cache, RingCache) or cache.config is not model.config:
-        raise ValueError("cache= must be a RingCache built for this model")
-    if window is not None and window != cache.window:
-        raise ValueError(f"window={window} differs from the cache's window {cache.window}")
-    if (sinks, sink_rope) != (cache.sinks, cache.sink_rope):
-        raise ValueError(f"sinks={sinks}, sink_rope={sink_rope!r} differ from the cache's "
-                         f"sinks={cache.sinks}, sink_rope={cache.sink_rope!r}")
-    if cache.get_seq_length() > 0:
-        raise ValueError("this RingCache already holds tokens: pass a fresh one")
-
-
 def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None = None,
-             sinks: int = 0, sink_rope: str | None = None, **kwargs):
+             sinks: int = UNSET, sink_rope: str | None = UNSET, **kwargs):
     """``model.generate(input_ids, **kwargs)`` decoded through a :class:`RingCache`.
 
     A fresh ``RingCache(model, window=window, sinks=sinks, sink_rope=sink_rope)`` unless
-    ``cache=`` passes one (unused, built for this model, with these ``sinks`` and
-    ``sink_rope``). ``sinks=S`` keeps each row's first S tokens in every ring; ``sink_rope``
-    None scores them at absolute positions, ``"cache"`` at StreamingLLM's positions inside the
-    cache (:class:`RingCache`). The prompt is prefilled in chunks of ``prefill_chunk_size``
-    tokens (default :data:`PREFILL_CHUNK`). Greedy and sampling only.
+    ``cache=`` passes one, whose settings then serve (one given that differs raises).
+    ``sinks=S`` keeps each row's first S tokens in every ring; ``sink_rope`` None scores them
+    at absolute positions, ``"cache"`` at StreamingLLM's positions inside the cache
+    (:class:`RingCache`).
+
+    A conversation passes the returned cache back with the whole conversation so far as
+    ``input_ids`` (and its ``attention_mask``, padding included), as with Hugging Face's own
+    caches: only the tokens the cache has not seen are prefilled. The prompt is prefilled in
+    chunks of ``prefill_chunk_size`` tokens (default :data:`PREFILL_CHUNK`; ``inputs_embeds``
+    in one pass, which Hugging Face's chunked prefill cannot split).
     """
     cache = kwargs.pop("cache", None)
     config = _generation_config(model, kwargs)
     _check_call(model, kwargs, config)
     if cache is None:
-        cache = RingCache(model, window=window, sinks=sinks, sink_rope=sink_rope)
+        cache = RingCache(model, window=window, sinks=0 if sinks is UNSET else sinks,
+                          sink_rope=None if sink_rope is UNSET else sink_rope)
     else:
-        _check_cache(model, cache, window, check_sinks(sinks, sink_rope), sink_rope)
-    if config.prefill_chunk_size is None:
+        check_settings(model, cache, window, sinks, sink_rope)
+    embeds = kwargs.get("inputs_embeds")
+    source = embeds if embeds is not None else input_ids
+    mask = effective_attention_mask(input_ids if embeds is None else None,
+                                    kwargs.get("attention_mask"), config)
+    check_mask_holes(cache, mask)
+    if source is not None:
+        check_continuation(cache, source.shape[1], source.shape[0], mask)
+    if embeds is not None and config.prefill_chunk_size is not None:
+        raise ValueError("inputs_embeds are prefilled in one pass: Hugging Face's chunked "
+                         "prefill splits input_ids only; leave prefill_chunk_size out")
+    if config.prefill_chunk_size is None and embeds is None:
         kwargs["prefill_chunk_size"] = PREFILL_CHUNK
     if config.cache_implementation is not None:  # a model default (e.g. Gemma 3's "hybrid")
         kwargs["cache_implementation"] = None  # would clash with cache=: the ring replaces it
-    if input_ids is not None and config.max_new_tokens is not None:
-        cache.reserve(input_ids.shape[-1] + config.max_new_tokens)
     with ring_active(model, cache):
         return model.generate(input_ids, cache=cache, **kwargs)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -75,6 +77,39 @@ class RingCache(Cache):
         """Bytes held by every layer's storage (keys, values, stored positions)."""
         return sum(layer.nbytes for layer in self.layers)
 
+    def __deepcopy__(self, memo: dict) -> RingCache:
+        """An independent cache for the same model (Hugging Face's prompt-cache reuse).
+
+        Every tensor is copied; the model's config (the identity the hooks check) and the sink
+        rotation (the model's own rotary embedding) are shared, not copied.
+        """
+        memo[id(self.config)] = self.config
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
+    def seen_columns(self) -> int:
+        """Columns (tokens, padding included) every layer has taken so far (a host sync).
+
+        Raises if the layers disagree: a forward stopped part-way (an exception inside the
+        model, Ctrl-C) left some layers a step ahead, and decoding on would mix two states.
+        """
+        counts = {int(layer.get_seq_length()) for layer in self.layers}
+        if len(counts) > 1:
+            raise ValueError(f"this RingCache's layers hold different token counts "
+                             f"{sorted(counts)}: a forward was stopped part-way; build a new "
+                             f"cache (or copy.deepcopy one before a call that may be stopped)")
+        return counts.pop()
+
+    def row_tokens(self) -> torch.Tensor:
+        """``(B,)`` real (unpadded) tokens each row holds: its newest position + 1."""
+        ring = next(layer.ring for layer in self.layers if isinstance(layer, RingLayer))
+        if ring is None:
+            raise ValueError("row_tokens: this RingCache holds no tokens yet")
+        return ring.lengths
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's write, at the positions this forward's mask function computed."""
@@ -101,12 +136,6 @@ class RingCache(Cache):
     def end_forward(self) -> None:
         """Forget the last forward's positions (a write without new ones is then refused)."""
         self._pending, self.padding, self.chunk_padded, self._updated = None, None, False, 0
-
-    def reserve(self, tokens: int) -> None:
-        """Size the full layers for ``tokens`` at first use (they still grow past it)."""
-        for layer in self.layers:
-            if isinstance(layer, FullLayer) and not layer.is_initialized:
-                layer.capacity_hint = tokens
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError(

@@ -133,8 +133,9 @@ class RingLayer(CacheLayerMixin):
 class FullLayer(CacheLayerMixin):
     """A full-attention layer: row ``b``'s token at position ``p`` lives in slot ``p``.
 
-    Storage grows by doubling (amortised O(1) per token, never a copy of the whole history per
-    step); one spare slot past the end takes padding writes. Slot ``j`` holds position ``j``, so
+    Storage holds the tokens that arrived and grows by doubling (amortised O(1) per token,
+    never a copy of the whole history per step, never reserved for ``max_new_tokens``); one
+    spare slot past the end takes padding writes. Slot ``j`` holds position ``j``, so
     the stored positions are implicit and a query at ``p`` sees slots ``0..p``.
     """
 
@@ -145,15 +146,13 @@ class FullLayer(CacheLayerMixin):
         super().__init__()
         self.seen = 0
         self.capacity = 0
-        self.capacity_hint = 0  # tokens to allocate for at first use (set by generate)
         self._k_store: torch.Tensor | None = None
         self._v_store: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None  # (B,) row indices, made with the storage
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, T, D = key_states.shape
-        self._allocate(key_states.new_zeros(B, H, 0, D), value_states.new_zeros(B, H, 0, D),
-                       max(self.capacity_hint, T))
+        self._allocate(key_states.new_zeros(B, H, 0, D), value_states.new_zeros(B, H, 0, D), T)
         self.is_initialized = True
 
     def _allocate(self, k_old: torch.Tensor, v_old: torch.Tensor, capacity: int) -> None:
