@@ -205,3 +205,20 @@ def check_sink_rope(rope: object, sinks: int, head_dim: int, dtype: torch.dtype,
             raise ValueError("sink_rope is not a rotation by position: f(x, 0) must return x, "
                              "f(x, 1) turn x and keep its norm")
     return rope
+
+
+SINK_ROPES = (None, "cache")  # the sink conventions by name: absolute positions, StreamingLLM's
+
+
+def check_sinks(sinks: object, sink_rope: object) -> int:
+    """Return ``sinks`` as an int if ``(sinks, sink_rope)`` is a valid choice; raise otherwise.
+
+    What ``RingRunner`` and ``ringviz.hf.RingCache`` accept: ``sinks`` an int >= 0 and
+    ``sink_rope`` one of :data:`SINK_ROPES`, ``"cache"`` only with ``sinks >= 1``.
+    """
+    sinks = check_int("sinks", sinks, minimum=0)
+    if sink_rope not in SINK_ROPES:
+        raise ValueError(f"sink_rope must be one of {SINK_ROPES}, got {sink_rope!r}")
+    if sink_rope is not None and sinks == 0:
+        raise ValueError(f"sink_rope={sink_rope!r} turns sink keys: it needs sinks >= 1")
+    return sinks

@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from ringviz.hf.config import layer_windows  # noqa: E402
 from ringviz.models.bugs import (  # noqa: E402
     BUGS,
     SharedRingRunner,
@@ -15,7 +16,6 @@ from ringviz.models.bugs import (  # noqa: E402
 )
 from ringviz.models.drive import (  # noqa: E402
     RingRunner,
-    layer_windows,
     left_pad,
     ring_generate,
     ring_logits,

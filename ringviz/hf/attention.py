@@ -18,7 +18,6 @@ from transformers.masking_utils import AttentionMaskInterface
 from ringviz.attention import masked_attention
 from ringviz.hf.cache import RingCache
 from ringviz.hf.layers import NOT_THROUGH_GENERATE, RingLayer
-from ringviz.models.drive import attention_implementation
 
 ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transformers' registries
 
@@ -103,6 +102,37 @@ def register() -> None:
     """Put the mask and attention functions in transformers' registries (idempotent)."""
     AttentionInterface.register(ATTN_NAME, ring_attention)
     AttentionMaskInterface.register(ATTN_NAME, ring_mask)
+
+
+@contextmanager
+def attention_implementation(model, name: str, *, one_config: bool = False) -> Iterator[None]:
+    """Switch the model's attention implementation for a block, then restore it.
+
+    ``set_attn_implementation`` validates the name and walks every module: 0.42 ms a call on
+    Gemma 3 (measured, CPU), twice per ring forward. With ``one_config=True`` (every module
+    reads ``model.config`` itself, see :func:`shares_one_config`; the name validated once
+    already) the switch is the one config attribute ``set_attn_implementation`` itself sets.
+    """
+    before = model.config._attn_implementation
+
+    def switch(impl: str) -> None:
+        if one_config:
+            model.config._attn_implementation_internal = impl
+        else:
+            model.set_attn_implementation(impl)
+
+    switch(name)
+    try:
+        yield
+    finally:
+        switch(before)
+
+
+def shares_one_config(model) -> bool:
+    """True when every module reads ``model.config`` itself and it has no sub-configs."""
+    config = model.config
+    return not config.sub_configs and all(
+        getattr(module, "config", config) is config for module in model.modules())
 
 
 @contextmanager

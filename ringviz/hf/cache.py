@@ -7,10 +7,11 @@ import copy
 import torch
 from transformers.cache_utils import Cache
 
+from ringviz.checks import check_sinks
+from ringviz.hf.config import read_layout
 from ringviz.hf.layers import NOT_THROUGH_GENERATE, FullLayer, RingLayer
+from ringviz.hf.rotary import model_sink_rope
 from ringviz.masks import band_mask
-from ringviz.models.drive import check_sinks, layer_kinds, layer_windows
-from ringviz.models.sinks import model_sink_rope
 
 
 def check_model(model) -> None:
@@ -52,8 +53,9 @@ class RingCache(Cache):
                  sink_rope: str | None = None) -> None:
         sinks = check_sinks(sinks, sink_rope)
         check_model(model)
-        windows = layer_windows(model, window)  # ValueError on a bad window
-        kinds = layer_kinds(model.config)
+        layout = read_layout(model.config)
+        windows = layout.windows(window)  # ValueError on a bad window
+        kinds = layout.kinds
         rope = model_sink_rope(model, "sliding_attention") if sink_rope == "cache" else None
         super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope) if w else FullLayer()
                                  for w in windows])

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ringviz.checks import check_sinks
 from ringviz.hf.cache import RingCache
-from ringviz.models.drive import check_sinks
 
 UNSET = object()  # a setting the call does not give: the cache's own serves
 

@@ -20,18 +20,13 @@ from __future__ import annotations
 
 import torch
 
+from ringviz.hf.config import read_layout
 from ringviz.models.drive import RingRunner, ring_generate, ring_logits
 from ringviz.models.reference import reference_greedy, reference_logits
 from ringviz.models.text import eval_tokens
 from ringviz.rope import apply_rope
 
 DIVERGENCE_TOL = 1e-2  # |dlogit| above this counts as diverged (float32 ring noise is ~1e-4)
-
-
-def rope_theta(config, layer_type: str = "sliding_attention") -> float:
-    """RoPE base of a layer type (Gemma 3 keeps one per type, Llama one for all)."""
-    params = config.rope_parameters
-    return float(params[layer_type]["rope_theta"] if layer_type in params else params["rope_theta"])
 
 
 class SlotRopeRunner(RingRunner):
@@ -43,7 +38,7 @@ class SlotRopeRunner(RingRunner):
 
     def attend(self, layer, q, k, v, positions, scale):
         cache = self.caches[layer]
-        theta = rope_theta(self.model.config)
+        theta = read_layout(self.model).rope_theta("sliding")
         k_slot = apply_rope(k, positions % cache.window - positions, theta)  # (B, Hkv, T, D)
         return cache.step(q, k_slot, v, positions, scale=scale)
 

@@ -31,14 +31,13 @@ Ctrl-C in a notebook) leaves the layers out of step: the runner then refuses eve
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
 from ringviz.cache import RingKVCache
-from ringviz.checks import check_int
-from ringviz.models.sinks import model_sink_rope
+from ringviz.checks import check_int, check_sinks
+from ringviz.hf.attention import attention_implementation, shares_one_config
+from ringviz.hf.config import layer_windows, read_layout
+from ringviz.hf.rotary import model_sink_rope
 
 ATTN_NAME = "ringviz_ring"
 
@@ -59,88 +58,6 @@ def _register() -> None:
     AttentionInterface.register(ATTN_NAME, _ring_attention)
 
 
-@contextmanager
-def attention_implementation(model, name: str, *, one_config: bool = False) -> Iterator[None]:
-    """Switch the model's attention implementation for a block, then restore it.
-
-    ``set_attn_implementation`` validates the name and walks every module: 0.42 ms a call on
-    Gemma 3 (measured, CPU), twice per ring forward. With ``one_config=True`` (every module
-    reads ``model.config`` itself, see :func:`shares_one_config`; the name validated once
-    already) the switch is the one config attribute ``set_attn_implementation`` itself sets.
-    """
-    before = model.config._attn_implementation
-
-    def switch(impl: str) -> None:
-        if one_config:
-            model.config._attn_implementation_internal = impl
-        else:
-            model.set_attn_implementation(impl)
-
-    switch(name)
-    try:
-        yield
-    finally:
-        switch(before)
-
-
-def shares_one_config(model) -> bool:
-    """True when every module reads ``model.config`` itself and it has no sub-configs."""
-    config = model.config
-    return not config.sub_configs and all(
-        getattr(module, "config", config) is config for module in model.modules())
-
-
-LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}  # HF layer types
-
-
-def layer_kinds(config) -> list[str]:
-    """Per layer, which mask transformers builds for it: ``"full"`` or ``"sliding"``."""
-    types = getattr(config, "layer_types", None)
-    if types is None:  # Llama/Mistral-style: one kind for all layers, set by sliding_window
-        kind = "sliding" if getattr(config, "sliding_window", None) is not None else "full"
-        return [kind] * config.num_hidden_layers
-    unknown = sorted(set(types) - LAYER_KINDS.keys())
-    if unknown:
-        raise ValueError(f"layer types {unknown} are not supported (only {sorted(LAYER_KINDS)})")
-    return [LAYER_KINDS[t] for t in types]
-
-
-def layer_windows(model, window: int | None) -> list[int | None]:
-    """Per layer: the window of its ring, or None for a full layer that keeps every token.
-
-    A model with sliding layers (Gemma 3, Mistral) keeps its split, the sliding layers using
-    ``window`` (default: the model's own). A model with none (Llama/SmolLM2, Qwen2 without
-    sliding) gets ``window`` imposed on every layer; it must be given.
-    """
-    config = model.config
-    kinds = layer_kinds(config)
-    native = "sliding" in kinds
-    if window is None:
-        if not native:
-            raise ValueError(f"{config.model_type} has no native sliding window: pass window=W")
-        window = config.sliding_window
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise ValueError(f"window must be a positive int, got {window!r}")
-    return [window if kind == "sliding" or not native else None for kind in kinds]
-
-
-SINK_ROPES = (None, "cache")  # RingRunner's sink conventions: absolute, StreamingLLM's
-
-
-def check_sinks(sinks: object, sink_rope: object) -> int:
-    """Return ``sinks`` as an int if ``(sinks, sink_rope)`` is a valid choice; raise otherwise.
-
-    What :class:`RingRunner` and ``ringviz.hf.RingCache`` accept: ``sinks`` an int >= 0 and
-    ``sink_rope`` one of :data:`SINK_ROPES`, ``"cache"`` only with ``sinks >= 1``.
-    """
-    sinks = check_int("sinks", sinks, minimum=0)
-    if sink_rope not in SINK_ROPES:
-        raise ValueError(f"sink_rope must be one of {SINK_ROPES}, got {sink_rope!r}")
-    if sink_rope is not None and sinks == 0:
-        raise ValueError(f"sink_rope={sink_rope!r} turns sink keys: it needs sinks >= 1")
-    return sinks
-
-
 class RingRunner:
     """One model's KV state in ``RingKVCache`` objects, one per layer, for a batch of rows.
 
@@ -148,7 +65,7 @@ class RingRunner:
     (full-attention layers keep everything anyway). ``sink_rope=None`` scores them at their
     absolute positions; ``sink_rope="cache"`` uses StreamingLLM's positions inside the cache,
     the sink keys turned by the model's own rotary embedding for that layer's type
-    (:func:`ringviz.models.sinks.model_sink_rope`: Gemma 3's local base, not the global one).
+    (:func:`ringviz.hf.rotary.model_sink_rope`: Gemma 3's local base, not the global one).
     """
 
     def __init__(self, model, batch_size: int, window: int | None, capacity: int, *,
@@ -161,13 +78,13 @@ class RingRunner:
         with attention_implementation(model, ATTN_NAME):  # validates the name once
             pass
         self.one_config = shares_one_config(model)  # then every forward switches cheaply
-        config = model.config
+        layout = read_layout(model)
         self.model = model
         self.windows = layer_windows(model, window)
         param = next(model.parameters())
         rope = model_sink_rope(model, "sliding_attention") if sink_rope == "cache" else None
         self.caches = [
-            RingKVCache(batch_size, config.num_key_value_heads, w or capacity, config.head_dim,
+            RingKVCache(batch_size, layout.num_kv_heads, w or capacity, layout.head_dim,
                         sinks=self.sinks if w else 0, sink_rope=rope if w else None,
                         dtype=param.dtype, device=param.device)
             for w in self.windows

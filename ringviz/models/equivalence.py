@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from ringviz.models.drive import RingRunner, layer_windows, ring_logits
+from ringviz.hf.config import layer_windows, read_layout
+from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import get_spec, load_model
 from ringviz.models.reference import has_native_window, native_window, reference_logits
 from ringviz.models.text import eval_tokens
@@ -40,9 +41,9 @@ def full_cache_bytes(model, batch: int, length: int) -> int:
 
     2 (k and v) x layers x batch x n_kv_heads x length x head_dim x bytes per element.
     """
-    c = model.config
+    c = read_layout(model)
     itemsize = next(model.parameters()).element_size()
-    return 2 * c.num_hidden_layers * batch * c.num_key_value_heads * length * c.head_dim * itemsize
+    return 2 * len(c.kinds) * batch * c.num_kv_heads * length * c.head_dim * itemsize
 
 
 def compare(ring: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from ringviz.hf.config import read_layout
 from ringviz.models.drive import RingRunner
 from ringviz.speculative import DraftRing
 
@@ -28,10 +29,10 @@ class DraftRunner(RingRunner):
     def __init__(self, model, engine: type[DraftRing], window: int | None, max_draft: int,
                  capacity: int, batch_size: int = 1) -> None:
         super().__init__(model, batch_size, window, capacity)
-        param, config = next(model.parameters()), model.config
+        param, layout = next(model.parameters()), read_layout(model)
         self.max_draft = max_draft
         self.caches = [  # replace the plain rings; a full layer's ring never wraps
-            engine(batch_size, config.num_key_value_heads, w or capacity, config.head_dim,
+            engine(batch_size, layout.num_kv_heads, w or capacity, layout.head_dim,
                    max_draft, dtype=param.dtype, device=param.device)
             for w in self.windows
         ]

@@ -22,10 +22,11 @@ import time
 
 import torch
 
+from ringviz.hf.rotary import float64_rope_angles
 from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import load_model
 from ringviz.models.reference import reference_logits
-from ringviz.models.sinks import float64_rope_angles, streaming_llm_logits
+from ringviz.models.sinks import streaming_llm_logits
 from ringviz.models.text import eval_text
 
 CONVENTIONS = {"absolute": None, "cache": "cache"}
