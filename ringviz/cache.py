@@ -329,6 +329,36 @@ class RingKVCache:
         return (torch.cat([sink_k, self.k[:, :, S:], k_new], dim=2),
                 torch.cat([sink_v, self.v[:, :, S:], v_new], dim=2), key_pos)
 
+    # ------------------------------------------------------------------ rows
+    def take_rows(self, index: torch.Tensor, *, check: bool = True) -> None:
+        """Make row ``i`` what row ``index[i]`` is now (beam search's reorder, repeat, select).
+
+        ``index`` is 1-D, integer, on this device, any length (rows may repeat). The same
+        length reorders in place (storage addresses unchanged, as a CUDA graph needs); another
+        length allocates storage for the new batch. ``check=False`` skips the range check and
+        its host sync (a beam step's indices are in range by construction).
+        """
+        check_tensor("index", index, self.device)
+        if index.ndim != 1 or index.is_floating_point() or index.dtype == torch.bool:
+            raise ValueError(f"index must be a 1-D integer tensor, got {index.dtype} "
+                             f"{tuple(index.shape)}")
+        if check and index.numel() and not bool(
+                ((index >= 0) & (index < self.batch_size)).all()):
+            raise ValueError(f"index must hold rows in [0, {self.batch_size}), got "
+                             f"{index.tolist()}")
+        stores = (self._k_store, self._v_store, self._pos_store, self._last_pos)
+        if index.numel() == self.batch_size:
+            for t in stores:
+                t.copy_(t.index_select(0, index))
+            return
+        self._k_store, self._v_store, self._pos_store, self._last_pos = (
+            t.index_select(0, index) for t in stores)
+        n = self._spare
+        self.k, self.v = self._k_store[:, :, :n], self._v_store[:, :, :n]
+        self.positions = self._pos_store[:, :n]
+        self.batch_size = index.numel()
+        self._rows = torch.arange(self.batch_size, device=self.device)
+
     # ------------------------------------------------------------------ taking tokens back
     def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:
         """Forget every stored position ``>= lengths[b]`` of row b (rejected draft tokens).

@@ -260,7 +260,7 @@ def _state(model, cache):
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"num_beams": 2}, "beam_search"),
+    ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive_search"),
     ({"prompt_lookup_num_tokens": 2}, "assisted"),
     ({"past_key_values": object()}, "past_key_values"),
     ({"position_ids": torch.arange(8)[None]}, "position_ids"),
@@ -335,11 +335,10 @@ def test_unsupported_attention_features_are_named():
         hf.RingCache(llama, window=4)
 
 
-def test_ring_cache_cannot_roll_back():
+def test_ring_cache_without_spare_slots_cannot_crop():
     cache = hf.RingCache(tiny_llama(), window=4)
-    for op in (lambda: cache.crop(2), lambda: cache.reorder_cache(torch.tensor([0]))):
-        with pytest.raises(NotImplementedError, match="evicted"):
-            op()
+    with pytest.raises(NotImplementedError, match="evicted"):
+        cache.crop(-2)
 
 
 # ------------------------------------------------------------------------- torch.compile

@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import transformers
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
@@ -55,7 +56,9 @@ from ringviz.hf.layers import FullLayer, RingLayer
 # more pass over the weights (about a decode step: 0.1 s for Gemma-3-270M on one CPU thread), so
 # chunks are long; a chunk's transient memory (its mask, activations) stays tens of MB.
 PREFILL_CHUNK = 2048
-SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+# beam search and beam sampling only gather the cache's rows (reorder_cache): a ring serves them
+SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                GenerationMode.BEAM_SAMPLE)
 
 
 def _generation_config(model, kwargs: dict) -> GenerationConfig:
@@ -73,10 +76,14 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
         if kwargs.get(name) is not None:
             raise ValueError(f"ringviz.hf.generate does not take {name}: {why}")
     mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    if mode == GenerationMode.ASSISTED_GENERATION:
+        raise ValueError("assisted decoding and prompt lookup crop rejected draft tokens, which "
+                         "needs a ring with spare slots for the longest draft: not served by "
+                         "RingCache yet; use greedy, sampling or beams")
     if mode not in SERVED_MODES:
         raise ValueError(f"generation mode {mode.value!r} is not supported by RingCache: it "
-                         f"needs crop/reorder of tokens a ring has evicted; use greedy or "
-                         f"sampling (num_beams=1, no assistant)")
+                         f"is not in transformers {transformers.__version__} itself (a Hub "
+                         f"recipe that ringviz has not checked); use greedy, sampling or beams")
     if config.output_attentions:
         raise ValueError("output_attentions is not supported: the ring attention returns no "
                          "weights")

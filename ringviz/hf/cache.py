@@ -139,12 +139,10 @@ class RingCache(Cache):
         """Forget the last forward's positions (a write without new ones is then refused)."""
         self._pending, self.padding, self.chunk_padded, self._updated = None, None, False, 0
 
-    def _unsupported(self, *args, **kwargs):
+    def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
-            "RingCache cannot crop, reorder or repeat its rows: a ring has evicted the tokens "
-            "that beam search and assisted decoding would roll back to; use greedy or sampling")
-
-    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+            "RingCache.crop: a ring without spare slots has evicted the tokens a crop would "
+            "roll back to (assisted decoding and prompt lookup need a ring with spare capacity)")
 
     # ------------------------------------------------------------------ masks
     def new_positions(self, attention_mask: torch.Tensor | None, batch: int, T: int,

@@ -20,7 +20,28 @@ NOT_THROUGH_GENERATE = (
 
 
 
-class RingLayer(CacheLayerMixin):
+class RowsMixin:
+    """Hugging Face's row operations on a cache layer, all through ``take_rows(index)``.
+
+    Beam search reorders rows (``reorder_cache``), contrastive-style searches repeat and select
+    them: each a gather on the batch axis, never a crop, so a ring serves them exactly.
+    """
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self.take_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = self.keys.shape[0] if self.is_initialized else 0
+        self.take_rows(torch.arange(rows).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero()[:, 0]
+        self.take_rows(indices)
+
+
+class RingLayer(RowsMixin, CacheLayerMixin):
     """A sliding layer: a :class:`RingKVCache` of ``window`` slots per row, made on first use.
 
     ``sinks=S`` keeps each row's first ``S`` positions in ``S`` more slots (attention sinks);
@@ -108,6 +129,12 @@ class RingLayer(CacheLayerMixin):
         home = home_slots(q, S, self.window)  # (B, 1)
         return torch.where(torch.arange(n, device=before.device) == home, q, before)
 
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Row ``i`` becomes row ``index[i]`` (the beam-search operations below)."""
+        if self.ring is not None:
+            self.ring.take_rows(index.to(self.ring.device), check=False)
+            self.keys, self.values = self.ring.k, self.ring.v
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         if query_length == 1:
             return self.sinks + self.window, 0
@@ -130,7 +157,7 @@ class RingLayer(CacheLayerMixin):
         self.seen.zero_()
 
 
-class FullLayer(CacheLayerMixin):
+class FullLayer(RowsMixin, CacheLayerMixin):
     """A full-attention layer: row ``b``'s token at position ``p`` lives in slot ``p``.
 
     Storage holds the tokens that arrived and grows by doubling (amortised O(1) per token,
@@ -187,6 +214,18 @@ class FullLayer(CacheLayerMixin):
             self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value_states)
         self.seen = need
         return self._k_store[:, :, :need], self._v_store[:, :, :need]
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Row ``i`` becomes row ``index[i]`` (the beam-search operations below)."""
+        if self._k_store is None:
+            return
+        index = index.to(self._k_store.device)
+        if index.numel() == self._k_store.shape[0]:  # a reorder: in place
+            self._k_store.copy_(self._k_store.index_select(0, index))
+            self._v_store.copy_(self._v_store.index_select(0, index))
+            return
+        k, v = self._k_store.index_select(0, index), self._v_store.index_select(0, index)
+        self._allocate(k[:, :, :self.seen], v[:, :, :self.seen], self.capacity)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
