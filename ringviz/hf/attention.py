@@ -18,6 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ringviz.attention import masked_attention
 from ringviz.hf.cache import RingCache
 from ringviz.hf.layers import NOT_THROUGH_GENERATE, RingLayer
+from ringviz.hf.refuse import check_eval_mode, check_no_grad
 
 ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transformers' registries
 
@@ -54,6 +55,7 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     cache = _ACTIVE.cache
     if cache is None or cache.config is not config:
         raise RuntimeError(NOT_THROUGH_GENERATE)
+    check_no_grad()  # before any layer of this forward runs
     kind = "full" if local_size is None else "sliding"
     if kind not in cache.kind_layer:
         raise RuntimeError(f"transformers asked for a {kind} mask, but the model's config "
@@ -85,7 +87,12 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         if kwargs.get(name) is not None:
             raise ValueError(f"attention argument {name!r} (soft-capping / learned sinks) is "
                              f"not implemented by the ring attention path")
+    if attention_mask.dtype != torch.bool or attention_mask.shape[1] != 1:
+        raise ValueError(f"the model changed the ring's mask into a {attention_mask.dtype} "
+                         f"mask over {attention_mask.shape[1]} heads (a learned per-head mask, "
+                         f"as in Doge): the ring attention path does not implement it")
     cache = _ACTIVE.cache
+    T = query.shape[2]  # Gemma 4's KV-shared layers keep only the last queries of a chunk
     if cache is not None and cache.sink_rope is not None:
         layer = cache.layers[module.layer_idx]
         if isinstance(layer, RingLayer):
@@ -93,7 +100,7 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             return out.transpose(1, 2), None
     # the rows that see nothing are the padding queries, known once per forward (no reduction
     # over the mask in every layer)
-    empty = cache.padding if cache is not None else None
+    empty = cache.padding[:, -T:] if cache is not None and cache.padding is not None else None
     out = masked_attention(query, key, value, attention_mask[:, 0], scale=scaling, empty=empty)
     return out.transpose(1, 2), None  # HF expects (B, T, Hq, D)
 
@@ -142,6 +149,7 @@ def ring_active(model, cache: RingCache) -> Iterator[None]:
     Inside, ``model(input_ids, cache=cache)`` runs the ring path (masks from the cache's stored
     positions); on exit the attention implementation is restored, also on error.
     """
+    check_eval_mode(model)
     register()
     before, _ACTIVE.cache = _ACTIVE.cache, cache
     try:

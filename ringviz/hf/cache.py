@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache
 from ringviz.checks import check_sinks
 from ringviz.hf.config import read_layout
 from ringviz.hf.layers import NOT_THROUGH_GENERATE, FullLayer, RingLayer
+from ringviz.hf.refuse import check_rope
 from ringviz.hf.rotary import model_sink_rope
 from ringviz.masks import band_mask
 
@@ -29,11 +30,33 @@ def check_model(model) -> None:
                 getattr(config, "position_embedding_type", "")),
         "bidirectional attention": bool(getattr(config, "use_bidirectional_attention", False)),
         "chunked attention": getattr(config, "attention_chunk_size", None) is not None,
+        "a learned per-head attention mask (as in Doge)": any(
+            callable(getattr(m, "prepare_dynamic_mask", None)) for m in model.modules()),
     }
     found = [name for name, present in features.items() if present]
     if found:
         raise ValueError(f"{config.model_type} uses {', '.join(found)}, which the ring "
                          f"attention path does not implement")
+
+
+def kv_sources(config) -> list[int]:
+    """Per layer, the layer whose cache it reads: itself, or for a KV-shared layer (Gemma 3n,
+    Gemma 4: ``kv_sharing_modes`` "reuse") the last unshared layer of its type, as the model's
+    attention reads it."""
+    modes = getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["full_attention"] * len(modes)
+    sources = []
+    for i, mode in enumerate(modes):
+        if mode != "reuse":
+            sources.append(i)
+            continue
+        owners = [j for j in range(modes.index("reuse")) if types[j] == types[i]]
+        if not owners:
+            raise ValueError(f"layer {i} reads keys no layer of this model writes (a draft "
+                             f"assistant's layers read its target model's): RingCache cannot "
+                             f"serve it")
+        sources.append(owners[-1])
+    return sources
 
 
 class RingCache(Cache):
@@ -56,9 +79,16 @@ class RingCache(Cache):
         layout = read_layout(model.config)
         windows = layout.windows(window)  # ValueError on a bad window
         kinds = layout.kinds
-        rope = model_sink_rope(model, "sliding_attention") if sink_rope == "cache" else None
-        super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope) if w else FullLayer()
-                                 for w in windows])
+        rope = None
+        if sink_rope == "cache":
+            rope = model_sink_rope(model, "sliding_attention")
+            check_rope(model, rope, "sliding_attention")
+        layers = [RingLayer(w, sinks=sinks, sink_rope=rope) if w else FullLayer()
+                  for w in windows]
+        sources = kv_sources(model.config)
+        # a KV-shared layer (Gemma 3n, Gemma 4) reads the keys of the layer it shares: one object
+        super().__init__(layers=[layers[j] for j in sources])
+        self.owners = [layers[i] for i in sorted(set(sources))]  # the layers that write
         self.config = model.config
         self.window = windows_of(windows)
         self.sinks, self.sink_rope = sinks, sink_rope
@@ -77,7 +107,7 @@ class RingCache(Cache):
     @property
     def nbytes(self) -> int:
         """Bytes held by every layer's storage (keys, values, stored positions)."""
-        return sum(layer.nbytes for layer in self.layers)
+        return sum(layer.nbytes for layer in self.owners)
 
     def __deepcopy__(self, memo: dict) -> RingCache:
         """An independent cache for the same model (Hugging Face's prompt-cache reuse).
@@ -98,7 +128,7 @@ class RingCache(Cache):
         Raises if the layers disagree: a forward stopped part-way (an exception inside the
         model, Ctrl-C) left some layers a step ahead, and decoding on would mix two states.
         """
-        counts = {int(layer.get_seq_length()) for layer in self.layers}
+        counts = {int(layer.get_seq_length()) for layer in self.owners}
         if len(counts) > 1:
             raise ValueError(f"this RingCache's layers hold different token counts "
                              f"{sorted(counts)}: a forward was stopped part-way; build a new "
@@ -121,7 +151,7 @@ class RingCache(Cache):
         out = self.layers[layer_idx].update(key_states, value_states, positions=positions,
                                             padded=self.chunk_padded)
         self._updated += 1
-        if self._updated == len(self.layers):  # every write done: its positions are spent
+        if self._updated == len(self.owners):  # every write done: its positions are spent
             self._pending, self._updated = None, 0  # (padding stays for the last attention)
         return out
 
@@ -138,6 +168,22 @@ class RingCache(Cache):
     def end_forward(self) -> None:
         """Forget the last forward's positions (a write without new ones is then refused)."""
         self._pending, self.padding, self.chunk_padded, self._updated = None, None, False, 0
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        for layer in self.owners:  # a shared layer is its source: gathered once
+            layer.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for layer in self.owners:
+            layer.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.owners:
+            layer.batch_select_indices(indices)
+
+    def reset(self) -> None:
+        for layer in self.owners:
+            layer.reset()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(

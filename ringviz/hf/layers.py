@@ -107,9 +107,11 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         """Attention of the last update's queries over the keys it returned (sink convention).
 
         The core's own :meth:`RingKVCache.attend_keys`: with ``sink_rope``, each query scores
-        the ``S`` sink columns turned by ``p - min(p, S + W - 1)``.
+        the ``S`` sink columns turned by ``p - min(p, S + W - 1)``. The queries may be the last
+        of the update's (Gemma 4's KV-shared layers drop the others).
         """
-        return self.ring.attend_keys(query, self.q_positions, keys, values, mask, scale)
+        positions = self.q_positions[:, -query.shape[2]:]
+        return self.ring.attend_keys(query, positions, keys, values, mask, scale)
 
     def fresh(self) -> bool:
         """True before the first token (a host sync: asked only for prefill chunks)."""
