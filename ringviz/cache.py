@@ -273,14 +273,18 @@ class RingKVCache:
         """Masked attention over ``keys`` whose first ``S`` are the sink slots, in this cache's
         sink convention (the storage, or :meth:`keys_with_chunk`'s keys; ringviz.hf calls it)."""
         return ring_attention(q, q_positions, keys, values, mask, sinks=self.sinks,
-                              window=self.window, sink_rope=self.sink_rope, scale=scale)
+                              window=self.window, sink_rope=self.sink_rope, scale=scale,
+                              empty=q_positions < 0)  # a real query always sees itself
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-             *, scale: float | None = None, check: bool = True) -> torch.Tensor:
+             *, scale: float | None = None, check: bool = True,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attend ``T`` new tokens per row to their windows and store them: ``(B, Hq, T, D)``.
 
         ``check=False`` skips the tensor checks (and their one host sync) for a trusted loop;
-        ``scale`` is checked either way (plain Python, no sync).
+        ``scale`` is checked either way (plain Python, no sync). ``mask`` ``(B, T, K)``, trusted,
+        is the visibility of :meth:`key_positions` ``(positions)`` when the caller has built it
+        once for many layers (``ringviz.hf``'s forward plan); by default the step builds it.
         """
         if check:
             self.check_step(q, k, v, positions, scale=scale)
@@ -289,14 +293,15 @@ class RingKVCache:
         positions = positions.to(torch.int64)
         if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
             self.write(k, v, positions, check=False)
-            mask = self._decode_mask(positions)  # (B, 1, S + C)
+            mask = self._decode_mask(positions) if mask is None else mask  # (B, 1, S + C)
             return self.attend_keys(q, positions, self.k, self.v, mask, scale)
-        out = self.attend_chunk(q, k, v, positions, scale=scale)
+        out = self.attend_chunk(q, k, v, positions, scale=scale, mask=mask)
         self.write(k, v, positions, check=False)
         return out
 
     def attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     positions: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+                     positions: torch.Tensor, *, scale: float | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of a chunk's queries over ``[ring | chunk]``, writing nothing.
 
         The first half of :meth:`step` for ``T > 1`` (``step`` then writes the chunk), and on
@@ -305,8 +310,10 @@ class RingKVCache:
         """
         positions = positions.to(torch.int64)
         keys, values, key_pos = self.keys_with_chunk(k, v, positions)
-        mask = self._mask(positions, key_pos)  # (B, T, S + C + T)
-        return self.attend_keys(q, positions, keys, values, mask, check_scale(scale))
+        # q may hold only the chunk's last queries (Gemma 4's KV-shared layers drop the rest)
+        q_positions = positions[:, positions.shape[1] - q.shape[2]:]
+        mask = self._mask(q_positions, key_pos) if mask is None else mask  # (B, Tq, K)
+        return self.attend_keys(q, q_positions, keys, values, mask, check_scale(scale))
 
     def keys_with_chunk(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -315,12 +322,19 @@ class RingKVCache:
         ``[ring | chunk]``: the storage as it is, then the chunk's own tokens, padding zeroed
         (it is masked out, but ``0 * NaN`` is NaN). With sinks, the chunk's sink tokens take
         the sink columns and are masked in the chunk part, so none is scored twice. Shapes
-        ``(B, Hkv, S + C + T, D)`` twice and ``(B, S + C + T)``.
+        ``(B, Hkv, S + C + T, D)`` twice and ``(B, S + C + T)``; into an empty ring without
+        sinks, just the chunk (``T`` keys: the ring's would all be masked). The positions are
+        :func:`step_key_positions`'.
         """
         positions = positions.to(torch.int64)
         pad = (positions < 0)[:, None, :, None]  # (B, 1, T, 1)
         k_new, v_new = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-        key_pos = chunk_key_positions(self.positions, positions, self.sinks)
+        if positions.shape[1] > 1:  # as step attends: maybe the chunk alone
+            key_pos = self.key_positions(positions)
+        else:  # a verify of one token (speculative decoding): [ring | token], nothing written
+            key_pos = chunk_key_positions(self.positions, positions, self.sinks)
+        if key_pos.shape[1] == positions.shape[1]:  # the chunk alone
+            return k_new, v_new, key_pos
         if not self.sinks:
             return torch.cat([self.k, k_new], dim=2), torch.cat([self.v, v_new], dim=2), key_pos
         S = self.sinks  # the sink slots as they will be once the chunk's sink tokens are in
@@ -328,6 +342,11 @@ class RingKVCache:
         sink_v = sinks_with_chunk(self._v_store, v_new, positions, S)
         return (torch.cat([sink_k, self.k[:, :, S:], k_new], dim=2),
                 torch.cat([sink_v, self.v[:, :, S:], v_new], dim=2), key_pos)
+
+    def key_positions(self, q_positions: torch.Tensor) -> torch.Tensor:
+        """``(B, K)`` positions of the keys :meth:`step` attends over for these queries: the
+        slots once a decode token is written, ``[sinks | ring | chunk]`` before a chunk is."""
+        return step_key_positions(self.positions, q_positions, self.sinks, self.capacity)
 
     # ------------------------------------------------------------------ rows
     def take_rows(self, index: torch.Tensor, *, check: bool = True) -> None:
@@ -425,3 +444,31 @@ def chunk_key_positions(stored: torch.Tensor, positions: torch.Tensor, sinks: in
     sink_pos = torch.cat([stored[:, :sinks], scratch], dim=1).scatter_(1, slot, positions)
     return torch.cat([sink_pos[:, :sinks], stored[:, sinks:],
                       positions.masked_fill(positions < sinks, -1)], dim=1)
+
+
+def step_key_positions(stored: torch.Tensor | None, q_positions: torch.Tensor, sinks: int,
+                       capacity: int) -> torch.Tensor:
+    """Positions ``(B, K)`` of the keys a ring step attends over, from positions alone.
+
+    ``stored`` ``(B, S + C)`` is what the slots hold (None: an empty ring not yet allocated).
+    Decode (``T == 1``): the slots as they will be once the query is written (its home slot
+    holds it). A chunk: :func:`chunk_key_positions`, or the chunk alone into an empty ring
+    without sinks (one host sync, asked for chunks only). So one mask can be built before the
+    write, once for every layer that shares it.
+
+    >>> step_key_positions(torch.tensor([[4, 1, 2, 3]]), torch.tensor([[5]]), 0, 4).tolist()
+    [[4, 5, 2, 3]]
+    """
+    q_positions = q_positions.to(torch.int64)
+    B, T = q_positions.shape
+    empty = stored is None or (T > 1 and not bool((stored >= 0).any()))
+    if T > 1 and empty and not sinks:
+        return q_positions
+    if stored is None:
+        stored = torch.full((B, sinks + capacity), -1, dtype=torch.int64,
+                            device=q_positions.device)
+    if T > 1:
+        return chunk_key_positions(stored, q_positions, sinks)
+    slots = torch.arange(stored.shape[1], device=stored.device)
+    home = home_slots(q_positions, sinks, capacity)  # (B, 1); a padding query writes nothing
+    return torch.where((slots == home) & (q_positions >= 0), q_positions, stored)

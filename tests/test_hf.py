@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
+from ringviz import attention as core_attention  # noqa: E402
 from ringviz import hf  # noqa: E402
 from ringviz.hf import attention  # noqa: E402
 from ringviz.models.reference import reference_logits  # noqa: E402
@@ -190,13 +191,13 @@ def test_streamer_sees_every_token():
 def test_chunked_prefill_bounds_attention_size(monkeypatch):
     """A 60-token prompt in chunks of 7 through rings of 5: no attention over more than 12 keys."""
     seen = []
-    real = attention.masked_attention
+    real = core_attention.masked_attention
 
     def spy(q, k, v, mask, **kwargs):
         seen.append((q.shape[2], k.shape[2]))
         return real(q, k, v, mask, **kwargs)
 
-    monkeypatch.setattr(attention, "masked_attention", spy)
+    monkeypatch.setattr(core_attention, "masked_attention", spy)  # every ring layer's attention
     model = tiny_llama()
     hf.generate(model, prompt(60), window=5, max_new_tokens=3, do_sample=False,
                 prefill_chunk_size=7)
@@ -228,18 +229,21 @@ def test_ring_bytes_flat_from_20_to_2000_tokens():
     assert cache.get_seq_length() == 10 + 2000 - 1  # the last token is never fed back
     assert streamer.ring_bytes[20] == streamer.ring_bytes[2000 + 9] > 0
     full = [layer for layer in cache.layers if isinstance(layer, hf.FullLayer)]
-    assert 10 + 2000 <= full[0].capacity < 2 * (10 + 2000)  # grown by doubling, not reserved
+    assert 10 + 2000 <= full[0].allocated < 2 * (10 + 2000)  # grown by doubling, not reserved
 
 
 def test_full_layer_grows_geometrically_without_a_reserve():
     layer = hf.FullLayer()
     k = torch.zeros(1, 1, 1, 2)
-    capacities = set()
+    allocated = set()
     for p in range(100):
-        keys, _ = layer.update(k + p, k, positions=torch.tensor([[p]]))
-        capacities.add(layer.capacity)
-    assert keys.shape[2] == 100 and keys[0, 0, :, 0].tolist() == list(range(100))
-    assert capacities == {1, 2, 4, 8, 16, 32, 64, 128}
+        pos = torch.tensor([[p]])
+        layer.update(k + p, k)
+        out = layer.step(k + 1, k + p, k + p, pos, layer.mask(pos), scale=1.0)
+        allocated.add(layer.allocated)
+    assert layer.seen == 100 and layer.keys[0, 0, :100, 0].tolist() == list(range(100))
+    assert allocated == {1, 2, 4, 8, 16, 32, 64, 128}
+    assert 0 < float(out.max()) < 99  # the last query averaged over every stored value
 
 
 def test_nbytes_counts_every_layer():

@@ -65,13 +65,13 @@ def test_conversation_prefills_only_the_new_tokens(monkeypatch):
     model = tiny_mistral()
     out = run(hf.generate, model, prompt(9), max_new_tokens=4)
     queries = []
-    real = attention.masked_attention
+    real = hf.RingCache.attend
 
-    def spy(q, k, v, mask, **kwargs):
-        queries.append(q.shape[2])
-        return real(q, k, v, mask, **kwargs)
+    def spy(self, layer_idx, query, *args, **kwargs):
+        queries.append(query.shape[2])
+        return real(self, layer_idx, query, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "masked_attention", spy)
+    monkeypatch.setattr(hf.RingCache, "attend", spy)
     ids = extend(out.sequences, 6, seed=1)
     run(hf.generate, model, ids, cache=out.cache, max_new_tokens=1)
     assert set(queries) == {7}  # the last answer token and the 6 new ones, in every layer
@@ -235,4 +235,4 @@ def test_full_layers_grow_with_tokens_that_arrive_not_max_new_tokens():
     out = run(hf.generate, model, ids, max_new_tokens=2_000_000, eos_token_id=int(first))
     assert out.sequences.shape[1] <= 15
     full = out.cache.layers[1]
-    assert isinstance(full, hf.FullLayer) and full.capacity < 32
+    assert isinstance(full, hf.FullLayer) and full.allocated < 32

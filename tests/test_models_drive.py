@@ -7,6 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from ringviz.hf import PREFILL_CHUNK  # noqa: E402
 from ringviz.hf.config import layer_windows  # noqa: E402
 from ringviz.models.bugs import (  # noqa: E402
     BUGS,
@@ -78,7 +79,7 @@ def test_gemma_ring_matches_hf_native_sliding_window(device):
     ids = tokens(30, device)
     runner = RingRunner(model, 1, None, capacity=len(ids))
     assert runner.windows == [6, None, 6]
-    assert runner.caches[1].window == 30  # the full layer's cache never wraps
+    assert runner.caches[1].allocated == 30  # the full layer holds every position, never regrown
     ring = ring_logits(runner, [ids], [11])[0]
     assert (ring - reference_logits(model, ids, None)).abs().max() < EXACT
 
@@ -136,7 +137,8 @@ def test_chunked_prefill_delays_chunk_first_to_the_second_chunk(device):
     model, window = tiny_llama(device), 8
     ids = tokens(30, device)
     _, cls, capacity = BUGS["chunk_first"]
-    ring = ring_logits(cls(model, 1, capacity(window), len(ids)), [ids], [12])[0]
+    ring = ring_logits(cls(model, 1, capacity(window), len(ids)), [ids], [12],
+                       prefill_chunk=window)[0]
     assert first_divergence(ring, reference_logits(model, ids, window), tol=1e-9) == window
 
 
@@ -180,8 +182,10 @@ def test_bad_inputs_raise(device):
 def runner_hash(runner) -> str:
     """sha256 over every stored tensor of every layer (spare slots included)."""
     digest = hashlib.sha256()
-    for c in runner.caches:
-        for t in (c._k_store, c._v_store, c._pos_store, c._last_pos):
+    for c in runner.caches:  # a ring's stores, or a full layer's (slot = position)
+        stores = (c._k_store, c._v_store, c._pos_store, c._last_pos) if hasattr(c, "_pos_store") \
+            else (c._k_store, c._v_store, torch.tensor(c.seen))
+        for t in stores:
             digest.update(t.cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
@@ -200,7 +204,8 @@ def test_position_past_capacity_refused_before_any_layer_writes(device):
     fresh = RingRunner(model, 1, None, capacity=5)
     with pytest.raises(ValueError, match="capacity=5"):
         ring_generate(fresh, [ids[:3]], 4)  # would feed positions up to 5
-    assert all(int(c.positions.max()) == -1 for c in fresh.caches)  # nothing written
+    assert all(int(layer.seen) == 0 for layer in fresh.cache.layers)  # nothing written
+    assert all(int(c.positions.max()) == -1 for c in fresh.caches if hasattr(c, "positions"))
 
 
 class Interrupt(KeyboardInterrupt):
@@ -218,7 +223,7 @@ def test_interrupted_forward_refuses_until_reset_then_equals_clean_run(device, m
     with pytest.raises(Interrupt):  # Ctrl-C in layer 1: layer 0 already holds position 8
         runner.forward(ids[None, 8:9], torch.tensor([[8]], device=device))
     monkeypatch.undo()
-    assert int(runner.caches[0]._last_pos) == 8 and int(layer1._last_pos) == 7
+    assert int(runner.caches[0]._last_pos) == 8 and layer1.seen == 8  # 0..7, not 8
     for pos in (8, 9):  # neither the retry nor the next position is silently decoded
         with pytest.raises(RuntimeError, match=r"left mid-step.*runner.reset\(\)"):
             runner.forward(ids[None, pos:pos + 1], torch.tensor([[pos]], device=device))
@@ -254,7 +259,7 @@ def test_prefill_default_chunk_and_last_only(device):
     model = tiny_gemma(device, window=6)
     ids = tokens(20, device)
     runner = RingRunner(model, 1, None, capacity=20)
-    assert runner.prefill_chunk == 6  # the smallest ring, not the full layer's 20
+    assert runner.prefill_chunk == PREFILL_CHUNK  # generate's: one prefill default
     pos = torch.arange(20, device=device)[None]
     last = runner.prefill(ids[None], pos, last_only=True)
     assert last.shape == (1, 1, model.config.vocab_size)

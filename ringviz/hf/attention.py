@@ -15,9 +15,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ringviz.attention import masked_attention
 from ringviz.hf.cache import RingCache
-from ringviz.hf.layers import NOT_THROUGH_GENERATE, RingLayer
+from ringviz.hf.plan import NOT_THROUGH_GENERATE
 from ringviz.hf.refuse import check_eval_mode, check_no_grad
 
 ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transformers' registries
@@ -49,8 +48,9 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
               config=None, device: torch.device | str = "cpu", **kwargs) -> torch.Tensor:
     """transformers' mask hook: the active RingCache's mask for this forward and layer kind.
 
-    transformers calls it once per layer type and forward (``local_size`` set for sliding
-    layers). It also records the new tokens' positions, which the layers' writes then use.
+    transformers calls it once per layer kind and forward (``local_size`` set for sliding
+    layers), before any layer runs; the first call of a forward makes the cache's forward plan
+    (positions and every kind's mask), the others read it.
     """
     cache = _ACTIVE.cache
     if cache is None or cache.config is not config:
@@ -67,19 +67,21 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
                              "bidirectional spans or image tokens): RingCache does not "
                              "implement it")
         cache._checked_kinds.add(kind)
-    positions = cache.new_positions(attention_mask, batch_size, q_length, torch.device(device))
-    cache.start_forward(positions)
-    return cache.build_mask(kind, positions)
+    plan = cache.plan
+    if not plan.fresh:  # the first ask of this forward
+        plan = cache.make_plan(attention_mask, batch_size, q_length, torch.device(device))
+    return plan.masks[kind]
 
 
 def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor, scaling: float,
                    dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention hook: SDPA over the layer's cache keys with the ring's mask.
+    """transformers' attention hook: the layer's ring step (write, then attend) on its new tokens.
 
-    A ring with StreamingLLM's sink convention (``sink_rope="cache"``) attends through the
-    core's own sink attention instead (:meth:`RingLayer.attention`), its sink columns turned per
-    query; every other layer, and every layer of a cache without it, through SDPA.
+    ``key``/``value`` are the new tokens' (``RingCache.update`` hands them on); the layer's
+    store writes them and attends with the forward plan's mask for its kind
+    (:meth:`RingCache.attend`): SDPA, or the core's sink attention for a ring with
+    StreamingLLM's sink convention.
     """
     if dropout:
         raise ValueError("RingCache attention has no dropout: generate in eval mode")
@@ -87,21 +89,15 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         if kwargs.get(name) is not None:
             raise ValueError(f"attention argument {name!r} (soft-capping / learned sinks) is "
                              f"not implemented by the ring attention path")
-    if attention_mask.dtype != torch.bool or attention_mask.shape[1] != 1:
+    if attention_mask is not None and (attention_mask.dtype != torch.bool
+                                       or attention_mask.shape[1] != 1):
         raise ValueError(f"the model changed the ring's mask into a {attention_mask.dtype} "
                          f"mask over {attention_mask.shape[1]} heads (a learned per-head mask, "
                          f"as in Doge): the ring attention path does not implement it")
     cache = _ACTIVE.cache
-    T = query.shape[2]  # Gemma 4's KV-shared layers keep only the last queries of a chunk
-    if cache is not None and cache.sink_rope is not None:
-        layer = cache.layers[module.layer_idx]
-        if isinstance(layer, RingLayer):
-            out = layer.attention(query, key, value, attention_mask[:, 0], scaling)
-            return out.transpose(1, 2), None
-    # the rows that see nothing are the padding queries, known once per forward (no reduction
-    # over the mask in every layer)
-    empty = cache.padding[:, -T:] if cache is not None and cache.padding is not None else None
-    out = masked_attention(query, key, value, attention_mask[:, 0], scale=scaling, empty=empty)
+    if cache is None:
+        raise RuntimeError(NOT_THROUGH_GENERATE)
+    out = cache.attend(module.layer_idx, query, key, value, scaling)  # (B, Hq, T, D)
     return out.transpose(1, 2), None  # HF expects (B, T, Hq, D)
 
 
@@ -143,17 +139,22 @@ def shares_one_config(model) -> bool:
 
 
 @contextmanager
-def ring_active(model, cache: RingCache) -> Iterator[None]:
+def ring_active(model, cache: RingCache, *, fast_switch: bool = True) -> Iterator[None]:
     """Serve ``cache`` to the model's forwards in a block: what :func:`generate` wraps.
 
     Inside, ``model(input_ids, cache=cache)`` runs the ring path (masks from the cache's stored
-    positions); on exit the attention implementation is restored, also on error.
+    positions); on exit the attention implementation is restored, also on error. The first
+    switch for a cache goes through ``set_attn_implementation`` (it validates the name); later
+    ones, with ``fast_switch``, set the one config attribute (:func:`attention_implementation`).
     """
     check_eval_mode(model)
     register()
     before, _ACTIVE.cache = _ACTIVE.cache, cache
     try:
-        with attention_implementation(model, ATTN_NAME):
+        with attention_implementation(model, ATTN_NAME,
+                                      one_config=fast_switch and cache.switch_fast):
+            cache.switch_fast = shares_one_config(model) if not cache.switch_fast \
+                else cache.switch_fast
             yield
     finally:
         _ACTIVE.cache = before

@@ -1,4 +1,4 @@
-"""RingCache: a ``transformers.Cache`` made of ring layers and growing full layers."""
+"""RingCache: a ``transformers.Cache`` made of ring layers and growing full layers, and its plan."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from transformers.cache_utils import Cache
 
 from ringviz.checks import check_sinks
 from ringviz.hf.config import read_layout
-from ringviz.hf.layers import NOT_THROUGH_GENERATE, FullLayer, RingLayer
+from ringviz.hf.layers import FullLayer, RingLayer
+from ringviz.hf.plan import NOT_THROUGH_GENERATE, ForwardPlan, positions_from_mask
 from ringviz.hf.refuse import check_rope
 from ringviz.hf.rotary import model_sink_rope
-from ringviz.masks import band_mask
 
 
 def check_model(model) -> None:
@@ -39,26 +39,6 @@ def check_model(model) -> None:
                          f"attention path does not implement")
 
 
-def kv_sources(config) -> list[int]:
-    """Per layer, the layer whose cache it reads: itself, or for a KV-shared layer (Gemma 3n,
-    Gemma 4: ``kv_sharing_modes`` "reuse") the last unshared layer of its type, as the model's
-    attention reads it."""
-    modes = getattr(config, "kv_sharing_modes", None) or [None] * config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["full_attention"] * len(modes)
-    sources = []
-    for i, mode in enumerate(modes):
-        if mode != "reuse":
-            sources.append(i)
-            continue
-        owners = [j for j in range(modes.index("reuse")) if types[j] == types[i]]
-        if not owners:
-            raise ValueError(f"layer {i} reads keys no layer of this model writes (a draft "
-                             f"assistant's layers read its target model's): RingCache cannot "
-                             f"serve it")
-        sources.append(owners[-1])
-    return sources
-
-
 class RingCache(Cache):
     """A ``transformers.Cache`` of rings (sliding layers) and growing full layers.
 
@@ -69,7 +49,13 @@ class RingCache(Cache):
     sinks; full-attention layers keep everything anyway). ``sink_rope=None`` scores them at their
     absolute positions; ``sink_rope="cache"`` at StreamingLLM's positions inside the cache, the
     sink keys turned by the model's own rotary embedding for sliding layers (Gemma 3: the local
-    base, not the global one). The same choices as :class:`ringviz.models.drive.RingRunner`.
+    base, not the global one). The same choices as :class:`ringviz.models.drive.RingRunner`,
+    which drives a RingCache too.
+
+    One forward: transformers asks the mask hook for each layer kind's mask, and the first ask
+    fills :attr:`plan` (:meth:`make_plan`); each layer's ``update`` then hands its new tokens on,
+    and the attention hook calls :meth:`attend`: the layer's step (ring write + attention) with
+    the plan's mask.
     """
 
     def __init__(self, model, *, window: int | None = None, sinks: int = 0,
@@ -78,36 +64,32 @@ class RingCache(Cache):
         check_model(model)
         layout = read_layout(model.config)
         windows = layout.windows(window)  # ValueError on a bad window
-        kinds = layout.kinds
         rope = None
         if sink_rope == "cache":
             rope = model_sink_rope(model, "sliding_attention")
             check_rope(model, rope, "sliding_attention")
-        layers = [RingLayer(w, sinks=sinks, sink_rope=rope) if w else FullLayer()
-                  for w in windows]
-        sources = kv_sources(model.config)
-        # a KV-shared layer (Gemma 3n, Gemma 4) reads the keys of the layer it shares: one object
-        super().__init__(layers=[layers[j] for j in sources])
-        self.owners = [layers[i] for i in sorted(set(sources))]  # the layers that write
-        self.config = model.config
+        check_kv_sharing(model.config)
+        super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope) if w else FullLayer()
+                                 for w in windows])
+        self.config, self.layout = model.config, layout
+        self.windows = windows
         self.window = windows_of(windows)
         self.sinks, self.sink_rope = sinks, sink_rope
         self.kind_layer: dict[str, int] = {}  # kind -> first layer of that kind
-        for i, (kind, w) in enumerate(zip(kinds, windows, strict=True)):
+        for i, (kind, w) in enumerate(zip(layout.kinds, windows, strict=True)):
             first = self.kind_layer.setdefault(kind, i)
             if windows[first] != w:
                 raise ValueError(f"layers {first} and {i} get the same mask but windows "
                                  f"{windows[first]} and {w}")
-        self._pending: torch.Tensor | None = None  # positions of this forward's new tokens
-        self.padding: torch.Tensor | None = None  # (B, T) which of them are padding
-        self.chunk_padded = False  # whether this forward's chunk (T > 1) has any padding
-        self._updated = 0  # layers updated in the current forward
+        self.plan = ForwardPlan()
+        self.given_positions: torch.Tensor | None = None  # the next forward's, if set
+        self.switch_fast = False  # set by ring_active once the attention switch is validated
         self._checked_kinds: set[str] = set()
 
     @property
     def nbytes(self) -> int:
         """Bytes held by every layer's storage (keys, values, stored positions)."""
-        return sum(layer.nbytes for layer in self.owners)
+        return sum(layer.nbytes for layer in self.layers)
 
     def __deepcopy__(self, memo: dict) -> RingCache:
         """An independent cache for the same model (Hugging Face's prompt-cache reuse).
@@ -128,7 +110,7 @@ class RingCache(Cache):
         Raises if the layers disagree: a forward stopped part-way (an exception inside the
         model, Ctrl-C) left some layers a step ahead, and decoding on would mix two states.
         """
-        counts = {int(layer.get_seq_length()) for layer in self.owners}
+        counts = {int(layer.get_seq_length()) for layer in self.layers}
         if len(counts) > 1:
             raise ValueError(f"this RingCache's layers hold different token counts "
                              f"{sorted(counts)}: a forward was stopped part-way; build a new "
@@ -142,76 +124,90 @@ class RingCache(Cache):
             raise ValueError("row_tokens: this RingCache holds no tokens yet")
         return ring.lengths
 
+    def allocate(self, batch_size: int, tokens: int, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        """Allocate every layer now (rings: their window; full layers: ``tokens`` slots)."""
+        self.reserve(tokens)
+        for layer in self.layers:
+            x = torch.empty(batch_size, self.layout.num_kv_heads, 0, self.layout.head_dim,
+                            dtype=dtype, device=device)
+            layer.lazy_initialization(x, x)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's write, at the positions this forward's mask function computed."""
-        positions = self._pending
-        if positions is None or positions.shape != (key_states.shape[0], key_states.shape[2]):
+        """transformers' per-layer call after RoPE: refused unless a fresh plan awaits it."""
+        plan = self.plan
+        if plan.positions is None or layer_idx <= plan.last_layer \
+                or plan.positions.shape != (key_states.shape[0], key_states.shape[2]):
             raise RuntimeError(NOT_THROUGH_GENERATE)
-        out = self.layers[layer_idx].update(key_states, value_states, positions=positions,
-                                            padded=self.chunk_padded)
-        self._updated += 1
-        if self._updated == len(self.owners):  # every write done: its positions are spent
-            self._pending, self._updated = None, 0  # (padding stays for the last attention)
-        return out
+        return self.layers[layer_idx].update(key_states, value_states)
 
-    def start_forward(self, positions: torch.Tensor) -> None:
-        """Take ``positions`` (B, T) for the layers' writes in the forward about to run.
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scale: float) -> torch.Tensor:
+        """Layer ``layer_idx``'s step in this forward: write its new tokens, attend."""
+        self.plan.enter(layer_idx)
+        return self.step_layer(layer_idx, query, key, value, scale)
 
-        A chunk asks once whether it holds padding (one host sync per prefill chunk, none per
-        decode step), so its layers can skip zeroing padded keys when there is none.
+    def step_layer(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, scale: float) -> torch.Tensor:
+        """The ring path of one layer: its store's step with the plan's mask for its kind."""
+        mask = self.plan.masks[self.layout.kinds[layer_idx]]
+        # Gemma 4's KV-shared layers keep only a chunk's last queries: their rows of the mask
+        mask = mask[:, :, mask.shape[2] - query.shape[2]:]
+        return self.layers[layer_idx].step(query, key, value, self.plan.positions, mask, scale)
+
+    def make_plan(self, attention_mask: torch.Tensor | None, batch: int, T: int,
+                  device: torch.device) -> ForwardPlan:
+        """Fill :attr:`plan` for the forward about to run: positions, then one mask per kind.
+
+        Positions are :attr:`given_positions` when a driver set them (RingRunner), else from
+        the 2D ``attention_mask`` (what ``generate`` feeds RoPE).
         """
-        self._pending, self._updated = positions, 0
-        self.padding = positions < 0
-        self.chunk_padded = positions.shape[1] > 1 and bool(self.padding.any())
+        if self.given_positions is not None:
+            positions = self.given_positions.to(device=device, dtype=torch.int64)
+            if positions.shape != (batch, T):
+                raise ValueError(f"positions {tuple(positions.shape)} do not fit the forward's "
+                                 f"(B, T) = {(batch, T)}")
+        else:
+            seen = self.layers[0].get_seq_length()  # a tensor for a ring layer: no host sync
+            positions = positions_from_mask(attention_mask, seen, batch, T, device)
+        masks = {kind: self.layers[i].mask(positions) for kind, i in self.kind_layer.items()}
+        self.plan.fill(positions, masks)
+        return self.plan
 
     def end_forward(self) -> None:
-        """Forget the last forward's positions (a write without new ones is then refused)."""
-        self._pending, self.padding, self.chunk_padded, self._updated = None, None, False, 0
+        """Forget the last forward's plan (a write without a new one is then refused)."""
+        self.plan.clear()
+        self.given_positions = None
 
-    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        for layer in self.owners:  # a shared layer is its source: gathered once
-            layer.reorder_cache(beam_idx)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        for layer in self.owners:
-            layer.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        for layer in self.owners:
-            layer.batch_select_indices(indices)
-
-    def reset(self) -> None:
-        for layer in self.owners:
-            layer.reset()
+    def reserve(self, tokens: int) -> None:
+        """Size the full layers for ``tokens`` at first use (they still grow past it)."""
+        for layer in self.layers:
+            if isinstance(layer, FullLayer) and not layer.is_initialized:
+                layer.reserve = tokens
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(
             "RingCache.crop: a ring without spare slots has evicted the tokens a crop would "
             "roll back to (assisted decoding and prompt lookup need a ring with spare capacity)")
 
-    # ------------------------------------------------------------------ masks
-    def new_positions(self, attention_mask: torch.Tensor | None, batch: int, T: int,
-                      device: torch.device) -> torch.Tensor:
-        """``(B, T)`` absolute positions of the new tokens (-1 = padding), from the 2D mask."""
-        seen = self.layers[0].get_seq_length()  # a tensor for a ring layer: no host sync
-        if attention_mask is None:
-            return (seen + torch.arange(T, device=device)).expand(batch, T)
-        if attention_mask.shape != (batch, int(seen) + T):
-            raise ValueError(f"attention_mask must cover every token so far: (B, seen + T) = "
-                             f"{(batch, int(seen) + T)}, got {tuple(attention_mask.shape)}")
-        mask = attention_mask.to(device=device, dtype=torch.bool)
-        positions = mask.long().cumsum(-1)[:, -T:] - 1
-        return positions.masked_fill(~mask[:, -T:], -1)
 
-    def build_mask(self, kind: str, q_positions: torch.Tensor) -> torch.Tensor:
-        """Bool ``(B, 1, T, K)`` visibility of the keys the layers of ``kind`` will return."""
-        layer = self.layers[self.kind_layer[kind]]
-        if isinstance(layer, RingLayer):
-            keys = layer.key_positions(q_positions)
-            return band_mask(q_positions, keys, layer.window, layer.sinks)[:, None]
-        slots = torch.arange(layer.seen + q_positions.shape[1], device=q_positions.device)
-        return ((slots <= q_positions[..., None]) & (q_positions[..., None] >= 0))[:, None]
+def check_kv_sharing(config) -> None:
+    """Raise if a KV-shared layer reads keys no layer of this model writes.
+
+    Gemma 3n and Gemma 4 share keys: their last layers attend over the new keys of an earlier
+    layer of their type, which each such layer's own ring then stores as well (exact; it
+    costs the memory the sharing would save). A draft assistant's layers read its target
+    model's keys: nothing here writes them.
+    """
+    modes = getattr(config, "kv_sharing_modes", None) or []
+    types = getattr(config, "layer_types", None) or ["full_attention"] * len(modes)
+    for i, mode in enumerate(modes):
+        first = modes.index("reuse") if mode == "reuse" else None
+        if first is not None and types[i] not in types[:first]:
+            raise ValueError(f"layer {i} reads keys no layer of this model writes (a draft "
+                             f"assistant's layers read its target model's): RingCache cannot "
+                             f"serve it")
 
 
 def windows_of(windows: list[int | None]) -> int | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from ringviz.cache import RingKVCache
 from ringviz.hf.config import read_layout
 from ringviz.models.drive import RingRunner, ring_generate, ring_logits
 from ringviz.models.reference import reference_greedy, reference_logits
@@ -62,8 +63,10 @@ class SharedRingRunner(RingRunner):
     are switched off (``check=False``), as in a trusted hot loop.
     """
 
-    def __init__(self, model, batch_size, window, capacity):
-        super().__init__(model, 1, window, capacity)
+    def _stores(self):  # one ring of batch size 1 per layer, whatever the batch
+        layout, param = read_layout(self.model), next(self.model.parameters())
+        return [RingKVCache(1, layout.num_kv_heads, w, layout.head_dim, dtype=param.dtype,
+                            device=param.device) for w in self.windows]
 
     def attend(self, layer, q, k, v, positions, scale):
         cache = self.caches[layer]

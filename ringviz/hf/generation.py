@@ -1,0 +1,101 @@
+"""``generate``: Hugging Face's ``generate()`` decoded through a :class:`RingCache`."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers
+from transformers import GenerationConfig
+from transformers.generation.configuration_utils import GenerationMode
+
+from ringviz.hf.attention import ring_active
+from ringviz.hf.cache import RingCache
+from ringviz.hf.calls import (
+    UNSET,
+    check_continuation,
+    check_mask_holes,
+    check_settings,
+    effective_attention_mask,
+)
+
+# default prefill chunk: a prompt is prefilled in chunks of this many tokens. Each chunk is one
+# more pass over the weights (about a decode step: 0.1 s for Gemma-3-270M on one CPU thread), so
+# chunks are long; a chunk's transient memory (its mask, activations) stays tens of MB.
+PREFILL_CHUNK = 2048
+# beam search and beam sampling only gather the cache's rows (reorder_cache): a ring serves them
+SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
+                GenerationMode.BEAM_SAMPLE)
+
+
+def _generation_config(model, kwargs: dict) -> GenerationConfig:
+    """The generation config this call would use (a copy: the model's stays untouched)."""
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
+    return config
+
+
+def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
+    """Raise on what a ring cannot serve, before anything runs."""
+    for name, why in (("past_key_values", "pass cache= (a RingCache) instead"),
+                      ("position_ids", "positions come from attention_mask"),
+                      ("cache_implementation", "the cache is a RingCache")):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"ringviz.hf.generate does not take {name}: {why}")
+    mode = config.get_generation_mode(kwargs.get("assistant_model"))
+    if mode == GenerationMode.ASSISTED_GENERATION:
+        raise ValueError("assisted decoding and prompt lookup crop rejected draft tokens, which "
+                         "needs a ring with spare slots for the longest draft: not served by "
+                         "RingCache yet; use greedy, sampling or beams")
+    if mode not in SERVED_MODES:
+        raise ValueError(f"generation mode {mode.value!r} is not supported by RingCache: it "
+                         f"is not in transformers {transformers.__version__} itself (a Hub "
+                         f"recipe that ringviz has not checked); use greedy, sampling or beams")
+    if config.output_attentions:
+        raise ValueError("output_attentions is not supported: the ring attention returns no "
+                         "weights")
+    if config.use_cache is False:
+        raise ValueError("use_cache=False would bypass the RingCache")
+
+
+def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None = None,
+             sinks: int = UNSET, sink_rope: str | None = UNSET, **kwargs):
+    """``model.generate(input_ids, **kwargs)`` decoded through a :class:`RingCache`.
+
+    A fresh ``RingCache(model, window=window, sinks=sinks, sink_rope=sink_rope)`` unless
+    ``cache=`` passes one, whose settings then serve (one given that differs raises).
+    ``sinks=S`` keeps each row's first S tokens in every ring; ``sink_rope`` None scores them
+    at absolute positions, ``"cache"`` at StreamingLLM's positions inside the cache
+    (:class:`RingCache`).
+
+    A conversation passes the returned cache back with the whole conversation so far as
+    ``input_ids`` (and its ``attention_mask``, padding included), as with Hugging Face's own
+    caches: only the tokens the cache has not seen are prefilled. The prompt is prefilled in
+    chunks of ``prefill_chunk_size`` tokens (default :data:`PREFILL_CHUNK`; ``inputs_embeds``
+    in one pass, which Hugging Face's chunked prefill cannot split). Greedy, sampling, beam
+    search and beam sampling; full-attention layers grow with the tokens that arrive.
+    """
+    cache = kwargs.pop("cache", None)
+    config = _generation_config(model, kwargs)
+    _check_call(model, kwargs, config)
+    if cache is None:
+        cache = RingCache(model, window=window, sinks=0 if sinks is UNSET else sinks,
+                          sink_rope=None if sink_rope is UNSET else sink_rope)
+    else:
+        check_settings(model, cache, window, sinks, sink_rope)
+    embeds = kwargs.get("inputs_embeds")
+    source = embeds if embeds is not None else input_ids
+    mask = effective_attention_mask(input_ids if embeds is None else None,
+                                    kwargs.get("attention_mask"), config)
+    check_mask_holes(cache, mask)
+    if source is not None:
+        check_continuation(cache, source.shape[1], source.shape[0], mask)
+    if embeds is not None and config.prefill_chunk_size is not None:
+        raise ValueError("inputs_embeds are prefilled in one pass: Hugging Face's chunked "
+                         "prefill splits input_ids only; leave prefill_chunk_size out")
+    if config.prefill_chunk_size is None and embeds is None:
+        kwargs["prefill_chunk_size"] = PREFILL_CHUNK
+    if config.cache_implementation is not None:  # a model default (e.g. Gemma 3's "hybrid")
+        kwargs["cache_implementation"] = None  # would clash with cache=: the ring replaces it
+    with ring_active(model, cache):
+        return model.generate(input_ids, cache=cache, **kwargs)
