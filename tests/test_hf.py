@@ -265,7 +265,7 @@ def _state(model, cache):
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive_search"),
-    ({"prompt_lookup_num_tokens": 2}, "assisted"),
+    ({"assistant_early_exit": 1}, "assistant_early_exit"),
     ({"past_key_values": object()}, "past_key_values"),
     ({"position_ids": torch.arange(8)[None]}, "position_ids"),
     ({"cache_implementation": "static"}, "cache_implementation"),

@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers.cache_utils import Cache
 
-from ringviz.checks import check_sinks
+from ringviz.checks import check_int, check_sinks
 from ringviz.hf.config import read_layout
 from ringviz.hf.layers import FullLayer, RingLayer
 from ringviz.hf.plan import NOT_THROUGH_GENERATE, ForwardPlan, positions_from_mask
@@ -52,6 +52,11 @@ class RingCache(Cache):
     base, not the global one). The same choices as :class:`ringviz.models.drive.RingRunner`,
     which drives a RingCache too.
 
+    ``draft=K`` gives every ring ``K`` spare slots (capacity ``window + K``, masks still
+    ``window``), so :meth:`crop` can take back a rejected draft of up to ``K`` tokens: assisted
+    decoding and prompt lookup (chapter 13's rollback), which :func:`~ringviz.hf.generate`
+    sizes from the call.
+
     One forward: transformers asks the mask hook for each layer kind's mask, and the first ask
     fills :attr:`plan` (:meth:`make_plan`); each layer's ``update`` then hands its new tokens on,
     and the attention hook calls :meth:`attend`: the layer's step (ring write + attention) with
@@ -59,8 +64,9 @@ class RingCache(Cache):
     """
 
     def __init__(self, model, *, window: int | None = None, sinks: int = 0,
-                 sink_rope: str | None = None) -> None:
+                 sink_rope: str | None = None, draft: int = 0) -> None:
         sinks = check_sinks(sinks, sink_rope)
+        self.draft = check_int("draft", draft, minimum=0)
         check_model(model)
         layout = read_layout(model.config)
         windows = layout.windows(window)  # ValueError on a bad window
@@ -69,8 +75,8 @@ class RingCache(Cache):
             rope = model_sink_rope(model, "sliding_attention")
             check_rope(model, rope, "sliding_attention")
         check_kv_sharing(model.config)
-        super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope) if w else FullLayer()
-                                 for w in windows])
+        super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope, draft=self.draft)
+                                 if w else FullLayer() for w in windows])
         self.config, self.layout = model.config, layout
         self.windows = windows
         self.window = windows_of(windows)
@@ -187,9 +193,20 @@ class RingCache(Cache):
                 layer.reserve = tokens
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "RingCache.crop: a ring without spare slots has evicted the tokens a crop would "
-            "roll back to (assisted decoding and prompt lookup need a ring with spare capacity)")
+        """Forget the last ``-tokens_to_remove`` tokens (assisted decoding's rejected drafts).
+
+        Served for up to :attr:`draft` tokens, the rings' spare slots; more raises (changing
+        nothing): the ring has evicted what it would roll back to.
+        """
+        n = -int(tokens_to_remove)
+        if tokens_to_remove > 0 or n > self.draft:
+            raise NotImplementedError(
+                f"RingCache.crop({tokens_to_remove}): this cache's rings have spare slots for "
+                f"{self.draft} rejected draft tokens; past that a ring has evicted the tokens a "
+                f"crop would roll back to (build RingCache(model, draft=K) for drafts up to K)")
+        if n:
+            for layer in self.layers:
+                layer.crop(-n)
 
 
 def check_kv_sharing(config) -> None:

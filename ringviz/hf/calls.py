@@ -95,3 +95,37 @@ def check_continuation(cache: RingCache, length: int, batch: int,
         raise ValueError(f"attention_mask's first {seen} columns count {counted.tolist()} real "
                          f"tokens per row, but the cache holds {held.tolist()}: pass the "
                          f"attention_mask of the whole conversation (its earlier padding too)")
+
+
+def draft_tokens(model, kwargs: dict, config, prompt_length: int) -> int:
+    """The longest draft an assisted call can ask the cache to take back (0 if not assisted).
+
+    Prompt lookup drafts ``prompt_lookup_num_tokens``; an assistant model (same tokenizer) its
+    ``num_assistant_tokens`` with the constant schedule, and up to every new token with the
+    heuristic ones (which grow the draft after each full acceptance). Other candidate
+    generators (early exit, MTP, DFlash, other tokenizers) are refused.
+    """
+    assistant = kwargs.get("assistant_model")
+    others = {"assistant_early_exit": config.assistant_early_exit,
+              "use_mtp": getattr(config, "use_mtp", None),
+              "speculation_type": getattr(config, "speculation_type", None),
+              "assistant_tokenizer": kwargs.get("assistant_tokenizer")}
+    given = sorted(name for name, value in others.items() if value)
+    if given:
+        raise ValueError(f"assisted decoding with {given} is not served by RingCache: only an "
+                         f"assistant model with the same tokenizer, or prompt lookup")
+    if config.prompt_lookup_num_tokens is not None:
+        return int(config.prompt_lookup_num_tokens)
+    if assistant is None:
+        return 0
+    if assistant is model or getattr(assistant, "config", None) is model.config:
+        raise ValueError("assistant_model is the model itself: its draft forwards would run "
+                         "through this RingCache; pass a separate model (a copy.deepcopy of it "
+                         "drafts the same tokens)")
+    assistant_config = assistant.generation_config
+    schedule = assistant_config.num_assistant_tokens_schedule or "constant"
+    if schedule == "constant":
+        return int(assistant_config.num_assistant_tokens or 20)  # transformers' default
+    if config.max_new_tokens is not None:
+        return int(config.max_new_tokens)
+    return max(1, int(config.max_length) - prompt_length)

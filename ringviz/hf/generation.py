@@ -16,6 +16,7 @@ from ringviz.hf.calls import (
     check_continuation,
     check_mask_holes,
     check_settings,
+    draft_tokens,
     effective_attention_mask,
 )
 
@@ -24,8 +25,9 @@ from ringviz.hf.calls import (
 # chunks are long; a chunk's transient memory (its mask, activations) stays tens of MB.
 PREFILL_CHUNK = 2048
 # beam search and beam sampling only gather the cache's rows (reorder_cache): a ring serves them
+# assisted decoding and prompt lookup crop rejected drafts, inside rings with spare slots
 SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
-                GenerationMode.BEAM_SAMPLE)
+                GenerationMode.BEAM_SAMPLE, GenerationMode.ASSISTED_GENERATION)
 
 
 def _generation_config(model, kwargs: dict) -> GenerationConfig:
@@ -43,14 +45,11 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
         if kwargs.get(name) is not None:
             raise ValueError(f"ringviz.hf.generate does not take {name}: {why}")
     mode = config.get_generation_mode(kwargs.get("assistant_model"))
-    if mode == GenerationMode.ASSISTED_GENERATION:
-        raise ValueError("assisted decoding and prompt lookup crop rejected draft tokens, which "
-                         "needs a ring with spare slots for the longest draft: not served by "
-                         "RingCache yet; use greedy, sampling or beams")
     if mode not in SERVED_MODES:
         raise ValueError(f"generation mode {mode.value!r} is not supported by RingCache: it "
                          f"is not in transformers {transformers.__version__} itself (a Hub "
-                         f"recipe that ringviz has not checked); use greedy, sampling or beams")
+                         f"recipe that ringviz has not checked); use greedy, sampling, beams "
+                         f"or assisted decoding")
     if config.output_attentions:
         raise ValueError("output_attentions is not supported: the ring attention returns no "
                          "weights")
@@ -78,13 +77,18 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
     cache = kwargs.pop("cache", None)
     config = _generation_config(model, kwargs)
     _check_call(model, kwargs, config)
-    if cache is None:
-        cache = RingCache(model, window=window, sinks=0 if sinks is UNSET else sinks,
-                          sink_rope=None if sink_rope is UNSET else sink_rope)
-    else:
-        check_settings(model, cache, window, sinks, sink_rope)
     embeds = kwargs.get("inputs_embeds")
     source = embeds if embeds is not None else input_ids
+    draft = draft_tokens(model, kwargs, config, source.shape[1] if source is not None else 0)
+    if cache is None:
+        cache = RingCache(model, window=window, sinks=0 if sinks is UNSET else sinks,
+                          sink_rope=None if sink_rope is UNSET else sink_rope, draft=draft)
+    else:
+        check_settings(model, cache, window, sinks, sink_rope)
+        if draft > cache.draft:
+            raise ValueError(f"this call may draft {draft} tokens, but the cache's rings have "
+                             f"spare slots for {cache.draft}: build RingCache(model, "
+                             f"draft={draft}) for it")
     mask = effective_attention_mask(input_ids if embeds is None else None,
                                     kwargs.get("attention_mask"), config)
     check_mask_holes(cache, mask)

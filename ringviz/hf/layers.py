@@ -49,9 +49,14 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     is_sliding = True
     is_compileable = True  # fixed shapes; the token count is a tensor, as in HF's StaticLayer
 
-    def __init__(self, window: int, *, sinks: int = 0, sink_rope: Rope | None = None) -> None:
+    def __init__(self, window: int, *, sinks: int = 0, sink_rope: Rope | None = None,
+                 draft: int = 0) -> None:
         super().__init__()
         self.window, self.sinks, self.sink_rope = window, sinks, sink_rope
+        # ``draft`` spare slots let a rejected draft of up to that many tokens be cropped: the
+        # ring holds window + draft positions, so the keys the next query needs survive
+        self.capacity = window + draft
+        self.is_croppable = draft > 0
         self.ring: RingKVCache | None = None
         # tokens (columns, padding included) given so far: a 0-d tensor updated in place, so a
         # compiled decode step does not specialise (and recompile) on its value
@@ -60,7 +65,8 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
         self.ring = RingKVCache(B, H, self.window, D, sinks=self.sinks, sink_rope=self.sink_rope,
-                                dtype=key_states.dtype, device=key_states.device)
+                                capacity=self.capacity, dtype=key_states.dtype,
+                                device=key_states.device)
         self.keys, self.values = self.ring.k, self.ring.v
         self.seen = self.seen.to(key_states.device)
         self.is_initialized = True
@@ -73,7 +79,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool ``(B, 1, T, K)``: which keys of :meth:`step` each query sees."""
         stored = self.ring.positions if self.ring is not None else None
-        keys = step_key_positions(stored, q_positions, self.sinks, self.window)
+        keys = step_key_positions(stored, q_positions, self.sinks, self.capacity)
         return band_mask(q_positions, keys, self.window, self.sinks)[:, None]
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -93,13 +99,24 @@ class RingLayer(RowsMixin, CacheLayerMixin):
             self.keys, self.values = self.ring.k, self.ring.v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.sinks + self.window + (query_length if query_length > 1 else 0), 0
+        return self.sinks + self.capacity + (query_length if query_length > 1 else 0), 0
 
     def get_seq_length(self) -> torch.Tensor:
         return self.seen
 
     def get_max_length(self) -> int:
-        return self.sinks + self.window
+        return self.sinks + self.capacity
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens of every row (a rejected draft).
+
+        :meth:`RingKVCache.truncate`, which raises (changing nothing) unless every row still
+        holds the window its next query needs: true for drafts up to the spare slots.
+        """
+        n = -tokens_to_remove
+        if n and self.ring is not None:
+            self.ring.truncate(self.ring.lengths - n)
+            self.seen.sub_(n)
 
     @property
     def nbytes(self) -> int:
@@ -123,6 +140,7 @@ class FullLayer(RowsMixin, CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
+    is_croppable = True  # slot = position: a crop forgets the last columns
 
     def __init__(self) -> None:
         super().__init__()
@@ -192,6 +210,10 @@ class FullLayer(RowsMixin, CacheLayerMixin):
             return
         k, v = self._k_store.index_select(0, index), self._v_store.index_select(0, index)
         self._allocate(k[:, :, :self.seen], v[:, :, :self.seen], self.allocated)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` columns (their slots are written again)."""
+        self.seen = max(0, self.seen + tokens_to_remove) if tokens_to_remove < 0 else self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0
