@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import F64, max_score_diff, prompt, run, tiny_gemma, tiny_mistral  # noqa: E402
+from tiny_models import F64, max_score_diff, prompt, run, tiny_gemma, tiny_mistral  # noqa: E402
 
 from ringviz import hf  # noqa: E402
 

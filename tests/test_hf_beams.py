@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import F64, prompt, tiny_gemma, tiny_mistral  # noqa: E402
+from tiny_models import F64, prompt, tiny_gemma, tiny_mistral  # noqa: E402
 
 from ringviz import hf  # noqa: E402
 

@@ -13,7 +13,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import (  # noqa: E402
+from tiny_models import (  # noqa: E402
     F64,
     VOCAB,
     max_score_diff,
@@ -108,7 +108,7 @@ def test_sinks_conversation_runs_in_fixed_memory_and_equals_a_fresh_ring():
     """Sinks on the sliding layers: five turns, ring bytes the same after each; the last turn
     equals one fresh ring run over the whole conversation."""
     model = tiny_gemma()
-    cache = hf.RingCache(model, sinks=2, sink_rope="cache")
+    cache = hf.RingCache(model, sinks=2, sink_convention="cache")
     ids, sizes = prompt(8), []
     for turn in range(5):
         out = run(hf.generate, model, ids, cache=cache, max_new_tokens=7)
@@ -116,31 +116,31 @@ def test_sinks_conversation_runs_in_fixed_memory_and_equals_a_fresh_ring():
         ids = extend(out.sequences, 5, seed=turn)
     assert len(set(sizes)) == 1 and cache.get_seq_length() > 5 * model.config.sliding_window
     last = run(hf.generate, model, ids, cache=cache, max_new_tokens=6)
-    fresh = run(hf.generate, model, ids, sinks=2, sink_rope="cache", max_new_tokens=6)
+    fresh = run(hf.generate, model, ids, sinks=2, sink_convention="cache", max_new_tokens=6)
     assert torch.equal(last.sequences, fresh.sequences)
     assert max_score_diff(last, fresh) < F64
 
 
 def test_settings_given_once_at_construction_serve_every_call():
     model = tiny_gemma()
-    cache = hf.RingCache(model, sinks=2, sink_rope="cache")
+    cache = hf.RingCache(model, sinks=2, sink_convention="cache")
     out = run(hf.generate, model, prompt(9), cache=cache, max_new_tokens=4)  # no sinks= again
-    fresh = run(hf.generate, model, prompt(9), sinks=2, sink_rope="cache", max_new_tokens=4)
+    fresh = run(hf.generate, model, prompt(9), sinks=2, sink_convention="cache", max_new_tokens=4)
     assert torch.equal(out.sequences, fresh.sequences)
     again = run(hf.generate, model, prompt(9), cache=hf.RingCache(model, sinks=2,
-                sink_rope="cache"), sinks=2, max_new_tokens=4)  # repeating the same: fine
+                sink_convention="cache"), sinks=2, max_new_tokens=4)  # repeating the same: fine
     assert torch.equal(again.sequences, fresh.sequences)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"sinks": 3}, "sinks=3 differs"),
     ({"sinks": 1}, "sinks=1 differs"),
-    ({"sink_rope": None}, "sink_rope=None differs"),
+    ({"sink_convention": "absolute"}, "sink_convention='absolute' differs"),
     ({"window": 4}, "window=4 differs"),
 ])
 def test_conflicting_settings_raise_and_change_nothing(kwargs, match):
     model = tiny_gemma()
-    cache = hf.RingCache(model, sinks=2, sink_rope="cache")
+    cache = hf.RingCache(model, sinks=2, sink_convention="cache")
     run(hf.generate, model, prompt(9), cache=cache, max_new_tokens=2)
     before = _state(model, cache)
     with pytest.raises(ValueError, match=match):

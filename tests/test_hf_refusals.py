@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import F64, VOCAB, max_score_diff, prompt, run, tiny_gemma, tiny_mistral  # noqa: E402
+from tiny_models import F64, VOCAB, max_score_diff, prompt, run, tiny_gemma, tiny_mistral  # noqa: E402
 
 from ringviz import hf  # noqa: E402
 from ringviz.hf import attention  # noqa: E402
@@ -55,8 +55,8 @@ def test_a_changed_mask_reaching_the_attention_raises_never_serves():
 ], ids=["cohere2", "phi3"])
 def test_a_rope_the_cache_convention_cannot_turn_is_refused_at_construction(make):
     model = make()
-    with pytest.raises(ValueError, match="sink_rope='cache' cannot turn"):
-        hf.RingCache(model, sinks=2, sink_rope="cache")
+    with pytest.raises(ValueError, match="sink_convention='cache' cannot turn"):
+        hf.RingCache(model, sinks=2, sink_convention="cache")
     hf.RingCache(model, sinks=2)  # absolute sinks never turn a key: fine
 
 
@@ -137,7 +137,7 @@ def test_kv_shared_layers_with_sinks(make):
     with torch.no_grad():
         ref = reference_logits(model, out.sequences[0], None, sinks=2)
     assert (torch.stack(out.scores)[:, 0] - ref[13:-1]).abs().max() < F64
-    runs = [run(hf.generate, model, ids, sinks=2, sink_rope="cache", max_new_tokens=12,
+    runs = [run(hf.generate, model, ids, sinks=2, sink_convention="cache", max_new_tokens=12,
                 prefill_chunk_size=chunk) for chunk in (3, 14)]
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert max_score_diff(*runs) < F64
@@ -161,4 +161,4 @@ def test_all_layers_reading_another_models_keys_are_refused():
 
 
 def test_gemma3_still_builds_with_the_cache_convention():
-    hf.RingCache(tiny_gemma(), sinks=2, sink_rope="cache")
+    hf.RingCache(tiny_gemma(), sinks=2, sink_convention="cache")

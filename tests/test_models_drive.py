@@ -7,6 +7,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import FAMILIES, tiny_gemma, tiny_llama, tokens  # noqa: E402
+
+from ringviz import hf  # noqa: E402
 from ringviz.hf import PREFILL_CHUNK  # noqa: E402
 from ringviz.hf.config import layer_windows  # noqa: E402
 from ringviz.models.bugs import (  # noqa: E402
@@ -25,28 +28,6 @@ from ringviz.models.equivalence import compare, full_cache_bytes, ragged_rows  #
 from ringviz.models.reference import band_bias, reference_greedy, reference_logits  # noqa: E402
 
 EXACT = 1e-10  # float64: the ring and one full forward differ only by summation order
-
-
-def tiny_llama(device) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e5}, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.float64).eval()
-
-
-def tiny_gemma(device, window: int = 6) -> torch.nn.Module:
-    config = transformers.Gemma3TextConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=window,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        query_pre_attn_scalar=16, max_position_embeddings=256, attn_implementation="sdpa")
-    return transformers.Gemma3ForCausalLM(config).to(device=device, dtype=torch.float64).eval()
-
-
-def tokens(n: int, device, offset: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(123 + offset)
-    return torch.randint(0, 97, (n,), generator=g).to(device)
 
 
 @pytest.mark.parametrize("prompt", [3, 8, 20])  # shorter than, equal to, longer than W
@@ -291,3 +272,25 @@ def test_window_imposed_on_a_model_whose_layers_are_all_full():
     assert layer_windows(model, 4) == [4, 4]
     with pytest.raises(ValueError, match="no native sliding window"):
         layer_windows(model, None)
+
+
+# ------------------------------------------------------------ one road (issue 16)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_ring_runner_serves_every_family_ringviz_hf_serves(family):
+    """RingRunner drives ringviz.hf: on every family the same tokens and logits as
+    ``ringviz.hf.generate``, and exact against one full forward (Qwen2 and Phi-3 configs have
+    no ``head_dim``; Mistral and Phi-3 slide without ``layer_types``)."""
+    build, window = FAMILIES[family]
+    model = build()
+    ids = tokens(14)
+    out = hf.generate(model, ids[None], window=window, max_new_tokens=9, do_sample=False,
+                      prefill_chunk_size=4, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=0)
+    seq, new = out.sequences[0], out.sequences.shape[1] - len(ids)  # 9, or fewer at an EOS
+    runner = RingRunner(model, 1, window, capacity=len(seq))
+    ring = ring_logits(runner, [seq], [len(ids)], prefill_chunk=4)[0]
+    assert (ring - reference_logits(model, seq, window)).abs().max() < EXACT
+    generated = torch.stack([step[0] for step in out.logits])  # float32 in generate's output
+    assert (ring[len(ids) - 1:-1].float() - generated).abs().max() < 1e-5
+    assert torch.equal(ring_generate(RingRunner(model, 1, window, len(seq)), [ids], new)[0],
+                       seq[len(ids):])

@@ -29,11 +29,12 @@ Real use: a conversation passes the returned cache back with the whole conversat
 ``input_ids`` (only the new tokens are prefilled); ``copy.deepcopy`` of a RingCache is an
 independent cache for the same model; beam search gathers the ring's rows.
 
-Attention sinks: ``RingCache(model, sinks=S, sink_rope=None | "cache")`` (and the same arguments
-of :func:`generate`) keep each row's first ``S`` tokens in every ring: the sliding masks add the
-sink rule, and with ``"cache"`` (StreamingLLM's positions inside the cache) the attention scores
-the sink keys turned by ``p - min(p, S + W - 1)``, the core's own sink attention. Full layers
-unchanged. :class:`ringviz.models.drive.RingRunner` drives the same RingCache, teacher-forced.
+Attention sinks: ``RingCache(model, sinks=S, sink_convention="absolute" | "cache")`` (and the
+same arguments of :func:`generate`) keep each row's first ``S`` tokens in every ring: the
+sliding masks add the sink rule, and with ``"cache"`` (StreamingLLM's positions inside the
+cache) the attention scores the sink keys turned by ``p - min(p, S + W - 1)``, the core's own
+sink attention. Full layers unchanged. :class:`ringviz.models.drive.RingRunner` drives the
+same RingCache, teacher-forced.
 
 Positions: a row's token at absolute position ``p`` is the ``p``-th real token of that row
 (``attention_mask.cumsum(-1) - 1``, what ``generate`` feeds RoPE); padding is ``-1`` and never

@@ -97,7 +97,7 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     cache = _ACTIVE.cache
     if cache is None:
         raise RuntimeError(NOT_THROUGH_GENERATE)
-    out = cache.attend(module.layer_idx, query, key, value, scaling)  # (B, Hq, T, D)
+    out = cache.attend(module.layer_idx, query, key, value, attention_mask, scaling)
     return out.transpose(1, 2), None  # HF expects (B, T, Hq, D)
 
 

@@ -7,7 +7,7 @@ import copy
 import torch
 from transformers.cache_utils import Cache
 
-from ringviz.checks import check_int, check_sinks
+from ringviz.checks import check_int, check_sinks, sink_convention_from
 from ringviz.hf.config import read_layout
 from ringviz.hf.layers import FullLayer, RingLayer
 from ringviz.hf.plan import NOT_THROUGH_GENERATE, ForwardPlan, positions_from_mask
@@ -46,8 +46,8 @@ class RingCache(Cache):
     it, and on a model without one (Llama, SmolLM2) makes every layer a ring of ``W``.
 
     ``sinks=S`` keeps each row's first ``S`` positions in every ring beside its window (attention
-    sinks; full-attention layers keep everything anyway). ``sink_rope=None`` scores them at their
-    absolute positions; ``sink_rope="cache"`` at StreamingLLM's positions inside the cache, the
+    sinks; full-attention layers keep everything anyway). ``sink_convention="absolute"`` scores
+    them at their own positions; ``"cache"`` at StreamingLLM's positions inside the cache, the
     sink keys turned by the model's own rotary embedding for sliding layers (Gemma 3: the local
     base, not the global one). The same choices as :class:`ringviz.models.drive.RingRunner`,
     which drives a RingCache too.
@@ -64,14 +64,17 @@ class RingCache(Cache):
     """
 
     def __init__(self, model, *, window: int | None = None, sinks: int = 0,
-                 sink_rope: str | None = None, draft: int = 0) -> None:
-        sinks = check_sinks(sinks, sink_rope)
+                 sink_convention: str = "absolute", sink_rope: str | None = None,
+                 draft: int = 0) -> None:
+        """``sink_rope=None | "cache"``: the deprecated spelling of ``sink_convention``."""
+        sink_convention = sink_convention_from(sink_convention, sink_rope)
+        sinks = check_sinks(sinks, sink_convention)
         self.draft = check_int("draft", draft, minimum=0)
         check_model(model)
         layout = read_layout(model.config)
         windows = layout.windows(window)  # ValueError on a bad window
         rope = None
-        if sink_rope == "cache":
+        if sink_convention == "cache":
             rope = model_sink_rope(model, "sliding_attention")
             check_rope(model, rope, "sliding_attention")
         check_kv_sharing(model.config)
@@ -80,7 +83,7 @@ class RingCache(Cache):
         self.config, self.layout = model.config, layout
         self.windows = windows
         self.window = windows_of(windows)
-        self.sinks, self.sink_rope = sinks, sink_rope
+        self.sinks, self.sink_convention = sinks, sink_convention
         self.kind_layer: dict[str, int] = {}  # kind -> first layer of that kind
         for i, (kind, w) in enumerate(zip(layout.kinds, windows, strict=True)):
             first = self.kind_layer.setdefault(kind, i)
@@ -149,18 +152,20 @@ class RingCache(Cache):
         return self.layers[layer_idx].update(key_states, value_states)
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, scale: float) -> torch.Tensor:
-        """Layer ``layer_idx``'s step in this forward: write its new tokens, attend."""
+               value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """Layer ``layer_idx``'s step in this forward: write its new tokens, attend with
+        ``mask`` (what transformers hands the layer: the plan's mask for its kind)."""
         self.plan.enter(layer_idx)
-        return self.step_layer(layer_idx, query, key, value, scale)
+        return self.step_layer(layer_idx, query, key, value, mask, scale)
 
     def step_layer(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, scale: float) -> torch.Tensor:
-        """The ring path of one layer: its store's step with the plan's mask for its kind."""
-        mask = self.plan.masks[self.layout.kinds[layer_idx]]
-        # Gemma 4's KV-shared layers keep only a chunk's last queries: their rows of the mask
-        mask = mask[:, :, mask.shape[2] - query.shape[2]:]
+                   value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """The ring path of one layer: its store's step (write, then attention)."""
         return self.layers[layer_idx].step(query, key, value, self.plan.positions, mask, scale)
+
+    def plan_mask(self, layer_idx: int) -> torch.Tensor:
+        """The plan's mask for layer ``layer_idx``'s kind ``(B, 1, T, K)``."""
+        return self.plan.masks[self.layout.kinds[layer_idx]]
 
     def make_plan(self, attention_mask: torch.Tensor | None, batch: int, T: int,
                   device: torch.device) -> ForwardPlan:

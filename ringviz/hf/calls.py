@@ -17,17 +17,18 @@ from ringviz.hf.cache import RingCache
 UNSET = object()  # a setting the call does not give: the cache's own serves
 
 
-def check_settings(model, cache, window, sinks, sink_rope) -> None:
+def check_settings(model, cache, window, sinks, sink_convention) -> None:
     """Raise unless ``cache`` is a RingCache for ``model`` and the given settings are its own.
 
     Settings the call leaves :data:`UNSET` are the cache's; one given that differs raises.
     """
     if not isinstance(cache, RingCache) or cache.config is not model.config:
         raise ValueError("cache= must be a RingCache built for this model")
-    if sinks is not UNSET or sink_rope is not UNSET:  # the same checks as at construction
+    if sinks is not UNSET or sink_convention is not UNSET:  # the checks of construction
         check_sinks(cache.sinks if sinks is UNSET else sinks,
-                    cache.sink_rope if sink_rope is UNSET else sink_rope)
-    for name, given in (("window", window), ("sinks", sinks), ("sink_rope", sink_rope)):
+                    cache.sink_convention if sink_convention is UNSET else sink_convention)
+    for name, given in (("window", window), ("sinks", sinks),
+                        ("sink_convention", sink_convention)):
         own = getattr(cache, name)
         if given is UNSET or (name == "window" and given is None):
             continue

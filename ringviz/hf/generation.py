@@ -9,6 +9,7 @@ import transformers
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
+from ringviz.checks import sink_convention_from
 from ringviz.hf.attention import ring_active
 from ringviz.hf.cache import RingCache
 from ringviz.hf.calls import (
@@ -24,8 +25,8 @@ from ringviz.hf.calls import (
 # more pass over the weights (about a decode step: 0.1 s for Gemma-3-270M on one CPU thread), so
 # chunks are long; a chunk's transient memory (its mask, activations) stays tens of MB.
 PREFILL_CHUNK = 2048
-# beam search and beam sampling only gather the cache's rows (reorder_cache): a ring serves them
-# assisted decoding and prompt lookup crop rejected drafts, inside rings with spare slots
+# beam search and beam sampling only gather the cache's rows (reorder_cache); assisted decoding
+# and prompt lookup crop rejected drafts, inside rings with spare slots
 SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
                 GenerationMode.BEAM_SAMPLE, GenerationMode.ASSISTED_GENERATION)
 
@@ -58,23 +59,28 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
 
 
 def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None = None,
-             sinks: int = UNSET, sink_rope: str | None = UNSET, **kwargs):
+             sinks: int = UNSET, sink_convention: str = UNSET, sink_rope: str | None = None,
+             **kwargs):
     """``model.generate(input_ids, **kwargs)`` decoded through a :class:`RingCache`.
 
-    A fresh ``RingCache(model, window=window, sinks=sinks, sink_rope=sink_rope)`` unless
+    A fresh ``RingCache(model, window=window, sinks=sinks, sink_convention=...)`` unless
     ``cache=`` passes one, whose settings then serve (one given that differs raises).
-    ``sinks=S`` keeps each row's first S tokens in every ring; ``sink_rope`` None scores them
-    at absolute positions, ``"cache"`` at StreamingLLM's positions inside the cache
-    (:class:`RingCache`).
+    ``sinks=S`` keeps each row's first S tokens in every ring; ``sink_convention="absolute"``
+    scores them at their own positions, ``"cache"`` at StreamingLLM's positions inside the cache
+    (:class:`RingCache`; ``sink_rope=None | "cache"`` is its deprecated spelling).
 
     A conversation passes the returned cache back with the whole conversation so far as
     ``input_ids`` (and its ``attention_mask``, padding included), as with Hugging Face's own
     caches: only the tokens the cache has not seen are prefilled. The prompt is prefilled in
     chunks of ``prefill_chunk_size`` tokens (default :data:`PREFILL_CHUNK`; ``inputs_embeds``
     in one pass, which Hugging Face's chunked prefill cannot split). Greedy, sampling, beam
-    search and beam sampling; full-attention layers grow with the tokens that arrive.
+    search, beam sampling, assisted decoding and prompt lookup (the rings get spare slots for
+    the longest draft); full-attention layers grow with the tokens that arrive.
     """
     cache = kwargs.pop("cache", None)
+    if sink_rope is not None:
+        sink_convention = sink_convention_from(
+            "absolute" if sink_convention is UNSET else sink_convention, sink_rope)
     config = _generation_config(model, kwargs)
     _check_call(model, kwargs, config)
     embeds = kwargs.get("inputs_embeds")
@@ -82,9 +88,10 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
     draft = draft_tokens(model, kwargs, config, source.shape[1] if source is not None else 0)
     if cache is None:
         cache = RingCache(model, window=window, sinks=0 if sinks is UNSET else sinks,
-                          sink_rope=None if sink_rope is UNSET else sink_rope, draft=draft)
+                          sink_convention="absolute" if sink_convention is UNSET
+                          else sink_convention, draft=draft)
     else:
-        check_settings(model, cache, window, sinks, sink_rope)
+        check_settings(model, cache, window, sinks, sink_convention)
         if draft > cache.draft:
             raise ValueError(f"this call may draft {draft} tokens, but the cache's rings have "
                              f"spare slots for {cache.draft}: build RingCache(model, "

@@ -12,9 +12,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ringviz.attention import masked_attention
-from ringviz.cache import RingKVCache, step_key_positions
+from ringviz.cache import RingKVCache
 from ringviz.masks import band_mask
 from ringviz.rope import Rope
+from ringviz.slots import step_key_positions
 
 
 class RowsMixin:

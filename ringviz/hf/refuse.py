@@ -30,7 +30,7 @@ def check_rope(model, rope: Rope, layer_type: str) -> None:
         if attention is not None else None
     if apply is None:
         raise ValueError(f"{type(model).__name__}: no apply_rotary_pos_emb found next to its "
-                         f"attention, so sink_rope='cache' cannot check the model's RoPE")
+                         f"attention, so sink_convention='cache' cannot check the model's RoPE")
     rotary = model.model.rotary_emb
     dtype = next(model.parameters()).dtype
     x = torch.randn(1, 1, 3, attention.head_dim, generator=torch.Generator().manual_seed(0),
@@ -48,7 +48,7 @@ def check_rope(model, rope: Rope, layer_type: str) -> None:
     if not same:
         raise ValueError(f"{model.config.model_type}'s RoPE is not a rotation of the whole head "
                          f"by its cos/sin (interleaved pairs or partial rotary): "
-                         f"sink_rope='cache' cannot turn its stored keys; use sink_rope=None")
+                         f"sink_convention='cache' cannot turn its stored keys; use 'absolute'")
 
 
 def attention_dropout(model) -> float:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ringviz.cache import RingKVCache
-from ringviz.checks import check_int
+from ringviz.checks import check_int, sink_convention_from
 from ringviz.hf.attention import ring_active, shares_one_config
 from ringviz.hf.cache import RingCache
 from ringviz.hf.generation import PREFILL_CHUNK
@@ -46,7 +46,7 @@ class _DrivenCache(RingCache):
         self.runner = runner
 
     def step_layer(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, scale: float) -> torch.Tensor:
+                   value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
         return self.runner.attend(layer_idx, query, key, value, self.plan.positions, scale)
 
 
@@ -56,20 +56,25 @@ class RingRunner:
 
     ``capacity``: the positions the run may reach, ``0 .. capacity-1`` (it sizes the full
     layers). ``sinks=S`` keeps each row's first ``S`` positions in every ring beside its window
-    (full-attention layers keep everything anyway). ``sink_rope=None`` scores them at their
-    absolute positions; ``sink_rope="cache"`` uses StreamingLLM's positions inside the cache,
+    (full-attention layers keep everything anyway). ``sink_convention="absolute"`` scores them
+    at their own positions; ``"cache"`` uses StreamingLLM's positions inside the cache,
     the sink keys turned by the model's own rotary embedding
     (:func:`ringviz.hf.rotary.model_sink_rope`: Gemma 3's local base, not the global one).
     ``caches[i]`` is layer i's store: a :class:`RingKVCache` (ring) or a ``FullLayer``.
     """
 
     def __init__(self, model, batch_size: int, window: int | None, capacity: int, *,
-                 sinks: int = 0, sink_rope: str | None = None) -> None:
+                 sinks: int = 0, sink_convention: str = "absolute",
+                 sink_rope: str | None = None) -> None:
+        """``sink_rope=None | "cache"``: the deprecated spelling of ``sink_convention``."""
         self.capacity = check_int("capacity", capacity)
         self.batch_size = check_int("batch_size", batch_size)
         self.model = model
-        self.cache = _DrivenCache(self, model, window=window, sinks=sinks, sink_rope=sink_rope)
-        self.sinks, self.sink_rope, self.windows = self.cache.sinks, sink_rope, self.cache.windows
+        sink_convention = sink_convention_from(sink_convention, sink_rope)
+        self.cache = _DrivenCache(self, model, window=window, sinks=sinks,
+                                  sink_convention=sink_convention)
+        self.sinks, self.sink_convention = self.cache.sinks, sink_convention
+        self.windows = self.cache.windows
         self.one_config = shares_one_config(model)  # then every forward switches cheaply
         self.caches = self._stores()
         self.prefill_chunk = PREFILL_CHUNK
@@ -115,7 +120,7 @@ class RingRunner:
         if layer == 0:
             self._first_ring().check_step(q, k, v, positions, scale=scale)  # writes nothing
         self._mid_step = True
-        return RingCache.step_layer(self.cache, layer, q, k, v, scale)
+        return RingCache.step_layer(self.cache, layer, q, k, v, self.cache.plan_mask(layer), scale)
 
     def _check_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Refuse a call on a runner left mid-step, mismatched shapes, positions past capacity,

@@ -22,14 +22,13 @@ import time
 
 import torch
 
+from ringviz.checks import SINK_CONVENTIONS
 from ringviz.hf.rotary import float64_rope_angles
 from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import load_model
 from ringviz.models.reference import reference_logits
 from ringviz.models.sinks import streaming_llm_logits
 from ringviz.models.text import eval_text
-
-CONVENTIONS = {"absolute": None, "cache": "cache"}
 
 
 def long_tokens(tokenizer, n: int) -> tuple[torch.Tensor, int]:
@@ -44,7 +43,7 @@ def stream_nll(model, ids: torch.Tensor, window: int, sinks: int, convention: st
                chunk: int = 256) -> torch.Tensor:
     """Per-token loss ``(L-1,)`` of ``ids[1:]``, fed through the ring ``chunk`` tokens a call."""
     runner = RingRunner(model, 1, window, capacity=len(ids), sinks=sinks,
-                        sink_rope=CONVENTIONS[convention] if sinks else None)
+                        sink_convention=convention if sinks else "absolute")
     out = []
     for s in range(0, len(ids) - 1, chunk):
         e = min(s + chunk, len(ids) - 1)
@@ -63,7 +62,7 @@ def binned(nll: torch.Tensor, bin_size: int) -> list[float]:
 def settings(windows: list[int], sinks: list[int]) -> list[tuple[int, int, str]]:
     """(W, S, convention) for every W and S; S = 0 has one convention (nothing to move)."""
     return [(w, s, c) for w in windows for s in sinks
-            for c in (["absolute"] if s == 0 else list(CONVENTIONS))]
+            for c in (["absolute"] if s == 0 else list(SINK_CONVENTIONS))]
 
 
 def run_check(name: str, window: int = 8, sinks: int = 4, n: int = 40) -> dict:
@@ -75,14 +74,14 @@ def run_check(name: str, window: int = 8, sinks: int = 4, n: int = 40) -> dict:
     ids, _ = long_tokens(tokenizer, n)
     out = {"window": window, "sinks": sinks, "tokens": n}
     with float64_rope_angles(model):
-        for conv in CONVENTIONS:
+        for conv in SINK_CONVENTIONS:
             runner = RingRunner(model, 1, window, capacity=n, sinks=sinks,
-                                sink_rope=CONVENTIONS[conv])
+                                sink_convention=conv)
             ring = ring_logits(runner, [ids], [17])[0]
             ref = (reference_logits(model, ids, window, sinks) if conv == "absolute"
                    else streaming_llm_logits(model, ids, window, sinks))
             out[f"{conv}_max_abs_logit_diff"] = float((ring - ref).abs().max())
-    runner = RingRunner(model, 1, window, capacity=n, sinks=sinks, sink_rope="cache")
+    runner = RingRunner(model, 1, window, capacity=n, sinks=sinks, sink_convention="cache")
     ring = ring_logits(runner, [ids], [17])[0]
     ref = streaming_llm_logits(model, ids, window, sinks)
     out["cache_max_abs_logit_diff_hf_float32_angles"] = float((ring - ref).abs().max())
