@@ -55,8 +55,7 @@ class Layout:
             if not self.has_native_window:
                 raise ValueError("this model has no native sliding window: pass window=W")
             window = self.native_window
-        if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-            raise ValueError(f"window must be a positive int, got {window!r}")
+        window = check_int("window", window)
         return [window if kind == "sliding" or not self.has_native_window else None
                 for kind in self.kinds]
 

@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from ringviz.checks import check_int
 from ringviz.hf.config import layer_windows, read_layout
 from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import get_spec, load_model
@@ -58,11 +59,9 @@ def _check_args(model: str, prompt_tokens: int, new_tokens: int, batch: int, dty
     get_spec(model)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    for name, value in (("prompt_tokens", prompt_tokens), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
-        raise ValueError(f"new_tokens must be an int >= 0, got {new_tokens!r}")
+    check_int("prompt_tokens", prompt_tokens)
+    check_int("batch", batch)
+    check_int("new_tokens", new_tokens, minimum=0)
 
 
 def compare_model(lm, tokenizer, *, window: int | None, prompt_tokens: int, new_tokens: int,

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ringviz.checks import check_int
 from ringviz.hf.config import KIND_TYPES, read_layout
 
 
@@ -66,8 +67,7 @@ def reference_logits(model, ids: torch.Tensor, window: int | None, sinks: int = 
     """
     if ids.ndim != 1:
         raise ValueError(f"ids must be one sequence (L,), got shape {tuple(ids.shape)}")
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+    sinks = check_int("sinks", sinks, minimum=0)
     positions = torch.arange(len(ids), device=ids.device)[None]
     dtype = next(model.parameters()).dtype
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ringviz.checks import check_int
 from ringviz.hf.attention import attention_implementation
 from ringviz.hf.config import KIND_TYPES, read_layout
 from ringviz.hf.rotary import model_sink_rope
@@ -72,8 +73,7 @@ def streaming_llm_logits(model, ids: torch.Tensor, window: int | None, sinks: in
 
     if ids.ndim != 1:
         raise ValueError(f"ids must be one sequence (L,), got shape {tuple(ids.shape)}")
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+    sinks = check_int("sinks", sinks, minimum=0)
     window = next(w for w in read_layout(model).windows(window) if w is not None)
     AttentionInterface.register(STREAMING_REF_NAME, _streaming_attention)
     state = _StreamingState(model, sinks, window)

@@ -22,10 +22,11 @@ import time
 
 import torch
 
-from ringviz.checks import SINK_CONVENTIONS
+from ringviz.checks import SINK_CONVENTIONS, check_int
 from ringviz.hf.rotary import float64_rope_angles
 from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import load_model
+from ringviz.models.perplexity import token_nll
 from ringviz.models.reference import reference_logits
 from ringviz.models.sinks import streaming_llm_logits
 from ringviz.models.text import eval_text
@@ -49,8 +50,7 @@ def stream_nll(model, ids: torch.Tensor, window: int, sinks: int, convention: st
         e = min(s + chunk, len(ids) - 1)
         pos = torch.arange(s, e, device=ids.device)[None]
         logits = runner.forward(ids[None, s:e], pos)[0]  # (e - s, vocab)
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        out.append(-logp.gather(1, ids[s + 1:e + 1, None])[:, 0])
+        out.append(token_nll(logits, ids[s + 1:e + 1]))
     return torch.cat(out)
 
 
@@ -118,8 +118,7 @@ def run_streaming(model: str = "smollm2", windows: tuple[int, ...] = (64, 256, 1
     ``past_extra=0`` skips the decode past the context (Gemma 3's 32,768 positions are more
     than a CPU run can afford).
     """
-    if isinstance(past_extra, bool) or not isinstance(past_extra, int) or past_extra < 0:
-        raise ValueError(f"past_extra must be an int >= 0, got {past_extra!r}")
+    check_int("past_extra", past_extra, minimum=0)
     t0 = time.perf_counter()
     result = {"model": model, "check": run_check(model)}
     lm, tokenizer = load_model(model)
