@@ -104,3 +104,15 @@ def test_generate_command_streams_gemma3_through_the_ring(capsys):
                  "2", "--max-new-tokens", "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["window"] == 512 and result["new_tokens"] <= 8 and result["reply"]
+
+
+def test_the_baseline_conversation_through_hf_default_cache_says_the_same():
+    model = tiny_gemma()
+    ring = Conversation(model, CharTokenizer(), stop=None)
+    base = Conversation(model, CharTokenizer(), stop=None, baseline=True)
+    for text in ("one turn", "a second, longer turn than the window"):
+        a, b = ring.turn(text, max_new_tokens=7), base.turn(text, max_new_tokens=7)
+        assert torch.equal(ring.ids, base.ids)
+        assert a["sliding_bytes"] == sum(layer.nbytes for layer in ring.cache.layers
+                                         if isinstance(layer, hf.RingLayer))
+        assert b["cache_bytes"] > b["sliding_bytes"] > 0

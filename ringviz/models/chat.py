@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
 from ringviz import hf
@@ -53,6 +54,20 @@ def full_cache_bytes(model, tokens: int) -> int:
     return 2 * len(layout.kinds) * layout.num_kv_heads * layout.head_dim * itemsize * tokens
 
 
+def cache_bytes(cache, *, sliding: bool | None = None) -> int:
+    """Bytes a cache's layers hold (``sliding=True``: its sliding layers only), ringviz's or
+    Hugging Face's."""
+    total = 0
+    for layer in cache.layers:
+        if sliding and not layer.is_sliding:
+            continue
+        if hasattr(layer, "nbytes"):
+            total += layer.nbytes
+        elif getattr(layer, "keys", None) is not None:
+            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+    return total
+
+
 class Conversation:
     """A conversation with ``model`` through one RingCache (``window``, ``sinks`` as in it).
 
@@ -63,9 +78,12 @@ class Conversation:
     STOP = f"\n{USER}"
 
     def __init__(self, model, tokenizer, *, window: int | None = None, sinks: int = 0,
-                 stop: str | None = STOP) -> None:
+                 stop: str | None = STOP, baseline: bool = False) -> None:
         self.model, self.tokenizer, self.stop = model, tokenizer, stop
-        self.cache = hf.RingCache(model, window=window, sinks=sinks)
+        # baseline=True: the same conversation through Hugging Face's own default cache
+        self.baseline = baseline
+        self.cache = (DynamicCache(config=model.config) if baseline
+                      else hf.RingCache(model, window=window, sinks=sinks))
         self.ids = torch.zeros(1, 0, dtype=torch.int64, device=model.device)
         self.at_user = False  # the last reply ended in the stop string (the next user's tag)
 
@@ -94,9 +112,10 @@ class Conversation:
         stop = {"stop_strings": [self.stop], "tokenizer": self.tokenizer} if self.stop else {}
         start = time.perf_counter()
         try:
-            seq = hf.generate(self.model, ids, cache=self.cache, max_new_tokens=max_new_tokens,
-                              do_sample=False, streamer=out,
-                              pad_token_id=self.tokenizer.eos_token_id, **stop, **kwargs)
+            call = dict(cache=self.cache, max_new_tokens=max_new_tokens, do_sample=False,
+                        streamer=out, pad_token_id=self.tokenizer.eos_token_id, **stop, **kwargs)
+            seq = (self.model.generate(ids, **call) if self.baseline
+                   else hf.generate(self.model, ids, **call))
         except KeyboardInterrupt:
             self.cache = saved
             write("\n[interrupted: turn dropped]\n")
@@ -110,5 +129,6 @@ class Conversation:
             reply = reply[:-len(self.stop)]
         return {"interrupted": False, "reply": reply.strip(), "new_tokens": new,
                 "tokens_per_s": new / seconds, "tokens_so_far": self.ids.shape[1],
-                "cache_bytes": self.cache.nbytes,
+                "cache_bytes": cache_bytes(self.cache),
+                "sliding_bytes": cache_bytes(self.cache, sliding=True),
                 "full_cache_bytes": full_cache_bytes(self.model, self.ids.shape[1] - 1)}
