@@ -116,3 +116,17 @@ def test_the_baseline_conversation_through_hf_default_cache_says_the_same():
         assert a["sliding_bytes"] == sum(layer.nbytes for layer in ring.cache.layers
                                          if isinstance(layer, hf.RingLayer))
         assert b["cache_bytes"] > b["sliding_bytes"] > 0
+
+
+def test_chat_command_holds_the_conversation_and_prints_numbers_each_turn(monkeypatch, capsys):
+    import ringviz.cli as cli
+
+    chat = Conversation(tiny_gemma(), CharTokenizer(), sinks=2, stop=None)
+    monkeypatch.setattr(cli, "_conversation", lambda args: chat)
+    lines = iter(["hello ring", "and again", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--sinks", "2", "--max-new-tokens", "5", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("tokens/s") == 2 and "a full cache would hold" in err
+    assert '"turns": 2' in out.strip().splitlines()[-1]
+    assert chat.cache.get_seq_length() == chat.ids.shape[1] - 1
