@@ -116,18 +116,21 @@ class RingKVCache:
         self.positions = self._pos_store[:, :n]  # (B, S + capacity), -1 = empty
         # newest position per row: kept beside the ring so a decode step never scans all W slots
         self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.k.device)
-        # A decode write is one index_copy_ per tensor into these flat views (measured about
-        # half the cost of an advanced-index assignment): storage row of slot 0 per (row, head)
-        self._k_rows = self._k_store.view(-1, head_dim)  # (B * n_kv_heads * (S + C + 1), D)
-        self._v_rows = self._v_store.view(-1, head_dim)
-        self._head_base = torch.arange(batch_size * num_kv_heads, device=self.k.device).view(
-            batch_size, num_kv_heads) * (n + 1)
-        self._pos_base = torch.arange(batch_size, device=self.k.device) * (n + 1)
-        self._pos_rows = self._pos_store.view(-1)  # (B * (S + C + 1),)
+        self._flat_views()
         # What the cache was told about its rows' runs (_Runs): when every row holds its last
         # `capacity` positions, a decode step needs no mask. Known without reading positions.
         self._runs = _Runs(batch_size, self.capacity, self.k.device)
 
+
+    def _flat_views(self) -> None:
+        """The flat views a decode write copies into, one index_copy_ per tensor (measured
+        about half an advanced-index assignment's cost), and each row's first storage row."""
+        B, H, n1, D = self._k_store.shape
+        self._k_rows = self._k_store.view(-1, D)  # (B * n_kv_heads * (S + C + 1), D)
+        self._v_rows = self._v_store.view(-1, D)
+        self._head_base = torch.arange(B * H, device=self.k.device).view(B, H) * n1
+        self._pos_base = torch.arange(B, device=self.k.device) * n1
+        self._pos_rows = self._pos_store.view(-1)  # (B * (S + C + 1),)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -142,6 +145,11 @@ class RingKVCache:
         """Bytes of k, v and positions storage (spare slot included): fixed at construction."""
         stores = (self._k_store, self._v_store, self._pos_store)
         return sum(t.numel() * t.element_size() for t in stores)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``(B,)`` each row's newest position + 1: where its next token goes (0 when empty)."""
+        return self._last_pos + 1
 
     @property
     def kv_seqlens(self) -> torch.Tensor:
@@ -364,8 +372,10 @@ class RingKVCache:
         """
         positions = positions.to(torch.int64)
         keys, values, key_pos = self.keys_with_chunk(k, v, positions)
-        mask = self._mask(positions, key_pos) if mask is None else mask  # (B, T, K)
-        return self.attend_keys(q, positions, keys, values, mask, check_scale(scale))
+        # q may hold only the chunk's last queries (Gemma 4's KV-shared layers drop the rest)
+        q_positions = positions[:, positions.shape[1] - q.shape[2]:]
+        mask = self._mask(q_positions, key_pos) if mask is None else mask  # (B, Tq, K)
+        return self.attend_keys(q, q_positions, keys, values, mask, check_scale(scale))
 
     def keys_with_chunk(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -399,6 +409,37 @@ class RingKVCache:
         """``(B, K)`` positions of the keys :meth:`step` attends over for these queries: the
         slots once a decode token is written, ``[sinks | ring | chunk]`` before a chunk is."""
         return step_key_positions(self.positions, q_positions, self.sinks, self.capacity)
+
+    # ------------------------------------------------------------------ rows
+    def take_rows(self, index: torch.Tensor, *, check: bool = True) -> None:
+        """Make row ``i`` what row ``index[i]`` is now (beam search's reorder, repeat, select).
+
+        ``index`` is 1-D, integer, on this device, any length (rows may repeat). The same
+        length reorders in place (storage addresses unchanged, as a CUDA graph needs); another
+        length allocates storage for the new batch. ``check=False`` skips the range check and
+        its host sync (a beam step's indices are in range by construction).
+        """
+        check_tensor("index", index, self.device)
+        if index.ndim != 1 or index.is_floating_point() or index.dtype == torch.bool:
+            raise ValueError(f"index must be a 1-D integer tensor, got {index.dtype} "
+                             f"{tuple(index.shape)}")
+        if check and index.numel() and not bool(
+                ((index >= 0) & (index < self.batch_size)).all()):
+            raise ValueError(f"index must hold rows in [0, {self.batch_size}), got "
+                             f"{index.tolist()}")
+        stores = (self._k_store, self._v_store, self._pos_store, self._last_pos)
+        self._runs.take_rows(index)
+        if index.numel() == self.batch_size:
+            for t in stores:
+                t.copy_(t.index_select(0, index))
+            return
+        self._k_store, self._v_store, self._pos_store, self._last_pos = (
+            t.index_select(0, index) for t in stores)
+        n = self._spare
+        self.k, self.v = self._k_store[:, :, :n], self._v_store[:, :, :n]
+        self.positions = self._pos_store[:, :n]
+        self.batch_size = index.numel()
+        self._flat_views()
 
     # ------------------------------------------------------------------ taking tokens back
     def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:
@@ -497,3 +538,8 @@ class _Runs:
 
     def forget(self) -> None:
         self.commit(_Told())
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Rows rearranged (repeated, selected): each row's run goes with it; ``least`` stays
+        a lower bound (the smallest of some of the same runs)."""
+        self._rows = self._rows.index_select(0, index)

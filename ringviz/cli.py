@@ -1,4 +1,5 @@
-"""The command line: `python -m ringviz {demo,equivalence,perplexity,streaming,bench} ...`.
+"""The command line: `python -m ringviz COMMAND ...` (demo, equivalence, perplexity, streaming,
+bench, conform, generate, chat).
 
 Each subcommand parses its flags here and calls one function of the package that returns a
 plain dict; `--json` prints that dict as the last line of output (progress goes to stderr).
@@ -94,6 +95,82 @@ def _cmd_bench(args: argparse.Namespace) -> dict:
                      generate_reps=args.generate_reps)
 
 
+def _cmd_conform(args: argparse.Namespace) -> dict:
+    from ringviz.conformance.peers import PEERS, get, run
+
+    if args.list:
+        caches = [{"name": p.name, "what": p.what, "version": p.version(),
+                   "sinks": p.sinks, "ragged": p.ragged, "expect": p.expect or "pass"}
+                  for p in PEERS.values()]
+        if not args.json:
+            width = max(len(c["name"]) for c in caches)
+            for c in caches:
+                tag = f"(pitfall: breaks {c['expect']})" if c["expect"] != "pass" else c["version"]
+                print(f"{c['name']:<{width}}  {c['what']}  [{tag}]")
+        return {"caches": caches}
+    if args.cache is None:
+        raise ValueError("conform needs --cache NAME (or --list)")
+    get(args.cache)  # unknown names fail before the progress bar
+    from tqdm import tqdm
+
+    with tqdm(total=args.examples, desc=f"conform {args.cache}", unit="schedule",
+              file=sys.stderr, delay=1.0, leave=False) as bar:
+        report = run(args.cache, window=args.window, sinks=args.sinks, examples=args.examples,
+                     seed=args.seed, max_chunk=args.max_chunk,
+                     progress=lambda n: bar.update(n - bar.n))
+    if not args.json:
+        print(report)
+    return {"cache": args.cache, "version": get(args.cache).version(), **report.to_dict()}
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _conversation(args: argparse.Namespace):
+    from ringviz.models.chat import Conversation
+    from ringviz.models.load import load_model
+
+    model, tokenizer = load_model(args.model)
+    return Conversation(model, tokenizer, window=args.window, sinks=args.sinks,
+                        stop=None if args.command == "generate" else Conversation.STOP)
+
+
+def _cmd_generate(args: argparse.Namespace) -> dict:
+    """Stream one continuation of ``--prompt`` through the ring, then its numbers."""
+    chat = _conversation(args)
+    write = (lambda _: None) if args.json else (lambda t: print(t, end="", flush=True))
+    result = chat.turn(args.prompt, max_new_tokens=args.max_new_tokens, write=write,
+                       framed=False)
+    return {"model": args.model, "window": chat.cache.window, "sinks": args.sinks, **result}
+
+
+def _cmd_chat(args: argparse.Namespace) -> dict:
+    """Turn after turn from stdin (an empty line or EOF ends); numbers after each turn."""
+    chat = _conversation(args)
+    print(f"{args.model}, ring window {chat.cache.window}, {args.sinks} sinks; an empty line "
+          f"ends, Ctrl-C stops a reply", file=sys.stderr)
+    turns = []
+    while True:
+        try:
+            text = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not text.strip():
+            break
+        print("model> ", end="", flush=True)
+        result = chat.turn(text, max_new_tokens=args.max_new_tokens,
+                           write=lambda t: print(t, end="", flush=True))
+        turns.append(result)
+        if not result["interrupted"]:
+            print(f"[{result['new_tokens']} tokens, {result['tokens_per_s']:.1f} tokens/s; "
+                  f"{result['tokens_so_far']} in the conversation; cache "
+                  f"{_mib(result['cache_bytes'])}, a full cache would hold "
+                  f"{_mib(result['full_cache_bytes'])}]", file=sys.stderr)
+    return {"model": args.model, "window": chat.cache.window, "sinks": args.sinks,
+            "turns": len(turns), "tokens": chat.ids.shape[1], "cache_bytes": chat.cache.nbytes}
+
+
 def _cases(text: str) -> list[tuple[int, int]]:
     """``"1x96,8x2048"`` -> ``[(1, 96), (8, 2048)]`` (batch x new tokens)."""
     try:
@@ -161,15 +238,47 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one part alone: 'decode_step' (ring step vs attention alone), "
                             "'sinks' (sinks_update, sinks_decode), 'generate' "
                             "(Gemma-3-270M generate(), ringviz.hf vs HF's caches), 'compiled' "
-                            "(SmolLM2 ring generate, eager vs inductor) or 'generate_memory' "
-                            "(SmolLM2 RSS after 20 and 2,000 tokens, ring vs HF default)")
+                            "(SmolLM2 ring generate, eager vs inductor), 'generate_memory' "
+                            "(SmolLM2 RSS after 20 and 2,000 tokens, ring vs HF default) or "
+                            "'conform' (seconds of conformance.check(examples=100), W=6)")
     bench.add_argument("--generate-cases", type=_cases, default=None,
                        help="generate() cases, BATCHxNEW,... (default 1x96,8x2048)")
     bench.add_argument("--generate-reps", type=_positive_int, default=None,
                        help="repetitions of each generate() case (default 3)")
     bench.set_defaults(func=_cmd_bench)
 
-    for p in (demo, eq, ppl, stream, bench):
+    conform = sub.add_parser(
+        "conform", help="check a sliding-window cache against the window contract (exit 1 if "
+                        "it breaks it)")
+    conform.add_argument("--cache", default=None, help="a name from --list")
+    conform.add_argument("--list", action="store_true", help="list the caches it knows")
+    conform.add_argument("--window", type=_positive_int, default=6, help="sliding window W")
+    conform.add_argument("--sinks", type=_non_negative_int, default=None,
+                         help="attention sinks S (default: the cache's own, 2 where it keeps "
+                              "sinks, else 0)")
+    conform.add_argument("--examples", type=_positive_int, default=100,
+                         help="schedules hypothesis draws (shrinking runs more)")
+    conform.add_argument("--seed", type=_non_negative_int, default=0)
+    conform.add_argument("--max-chunk", type=_positive_int, default=None,
+                         help="largest chunk in a schedule (1: decode steps only)")
+    conform.set_defaults(func=_cmd_conform)
+
+    gen = sub.add_parser("generate", help="stream a model's continuation through the ring")
+    talk = sub.add_parser("chat", help="a conversation turn after turn, in fixed memory")
+    for p, default in ((gen, 64), (talk, 128)):
+        p.add_argument("--model", choices=["smollm2", "gemma3"],
+                       required=p is gen, default="gemma3")
+        p.add_argument("--window", type=_positive_int, default=None,
+                       help="ring window W (default: the model's own; smollm2 needs one)")
+        p.add_argument("--sinks", type=_non_negative_int, default=0 if p is gen else 4,
+                       help="attention sinks kept beside each ring")
+        p.add_argument("--max-new-tokens", type=_positive_int, default=default,
+                       help="tokens per reply")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.set_defaults(func=_cmd_generate)
+    talk.set_defaults(func=_cmd_chat)
+
+    for p in (demo, eq, ppl, stream, bench, conform, gen, talk):
         p.add_argument("--json", action="store_true",
                        help="print one JSON object as the last line of output")
     return parser
@@ -185,8 +294,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps(result, default=str))
-    elif args.command != "demo":
+    elif args.command not in ("demo", "conform", "chat"):
         print_human(result)
+    if args.command == "conform" and result.get("ok") is False:
+        return 1  # the cache broke the window contract
     return 0
 
 

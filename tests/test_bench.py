@@ -35,7 +35,8 @@ TINY = BenchConfig(update_windows=(8, 32), decode_windows=(8, 16), batch=2, kv_h
                    memory_window=16, memory_steps=200, memory_growing_steps=50, model=False,
                    sink_windows=(8, 32), sinks=2, sink_kv_heads=2, sink_q_heads=4,
                    sink_head_dim=8, generate=False, compiled=False, generate_memory=False,
-                   decode_batches=(1, 2), profile_windows=(8,))
+                   decode_batches=(1, 2), conform_caches=("ringviz_ring", "off_by_one"),
+                   conform_window=4, conform_examples=5, conform_reps=2, profile_windows=(8,))
 PEER_IMPLS = (mlx_peer.IMPL, mlx_peer.ATTENTION_IMPL)
 ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads": int,
               "head_dim": int, "dtype": str, "device": str, "median_us": float,
@@ -73,7 +74,9 @@ def test_every_row_is_present_and_typed(tiny_run):
         for name, kind in ROW_FIELDS.items():
             assert isinstance(row[name], kind), (name, row)
         assert 0 < row["p10_us"] <= row["median_us"] <= row["p90_us"], row
-        assert row["device"] == "cpu" and row["dtype"] == "float32"
+        # conformance checks run in the kit's float64 (TINY's two caches are ringviz's)
+        assert row["device"] == "cpu"
+        assert row["dtype"] == ("float64" if row["bench"] == "conform" else "float32")
 
 
 def test_run_records_the_machine_and_restores_threads(tiny_run):
@@ -207,9 +210,21 @@ def test_only_keeps_one_part(part):
     kept = {"decode_step": bool(config.decode_windows), "sinks": bool(config.sink_windows),
             "decode_profile": bool(config.profile_windows),
             "generate": config.generate,
-            "compiled": config.compiled, "generate_memory": config.generate_memory}
+            "compiled": config.compiled, "generate_memory": config.generate_memory,
+            "conform": bool(config.conform_caches)}
     assert kept == {p: p == part for p in PARTS}
     assert not (config.update_windows or config.memory or config.model)
+
+
+def test_conform_rows_time_whole_checks(tiny_run):
+    rows = [r for r in tiny_run["rows"] if r["bench"] == "conform"]
+    assert [(r["impl"], r["ok"], r["reps"]) for r in rows] == [
+        ("ringviz_ring", True, 2), ("off_by_one", False, 2)]
+    ring = rows[0]
+    assert ring["examples"] == 5 and ring["window"] == 4 and ring["ragged"]
+    assert ring["p10_us"] <= ring["median_us"] <= ring["p90_us"]
+    assert tiny_run["figures"]["conform_slowest_check_s"] == max(
+        r["median_us"] for r in rows) / 1e6
 
 
 def test_compiled_and_memory_figures_divide_the_right_rows():
