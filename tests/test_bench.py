@@ -22,7 +22,7 @@ from ringviz.bench.cases import (
 from ringviz.bench.harness import Case, measure_interleaved, summarize
 from ringviz.bench.memory import checkpoints, run_memory
 from ringviz.bench.report import figures
-from ringviz.bench.sinks import SINK_IMPLS, StreamingLLMCache, build_sink_cases
+from ringviz.bench.sinks import SINK_IMPLS, build_sink_cases, streaming_llm_cache
 from ringviz.rope import apply_rope
 
 pytest.importorskip("transformers")
@@ -162,7 +162,7 @@ def test_sink_caches_decode_what_they_claim(device):
         torch.testing.assert_close(cases["ring_sinks_absolute"](), cases["sink_concat"]())
     # streaming_llm's keys are unrotated; rotated at absolute positions they feed a ring
     pre, tok = make_inputs(shape, 8)
-    ref = StreamingLLMCache(pre.k, pre.v, 2, 6)
+    ref = streaming_llm_cache(pre.k, pre.v, 2, 6)
     ring = RingKVCache(1, 2, 6, 8, sinks=2, sink_rope=apply_rope, dtype=torch.float64,
                        device=device)
     pos = torch.arange(8, device=device)[None]
