@@ -347,7 +347,13 @@ def test_model_rows_decode_the_same_tokens_both_ways():
     rows = model_rows(prompt_tokens=12, new_tokens=4, device=torch.device("cpu"))
     assert [r["impl"] for r in rows] == ["ring", "hf_default"]
     for r in rows:
-        assert r["bench"] == "model" and r["reps"] == 3 and r["tokens_per_s"] > 0
+        assert r["bench"] == "model" and (r["prompt_tokens"], r["new_tokens"]) == (12, 4)
+        assert r["reps"] == 4 - 1  # every asked-for token timed but the first (the prefill's)
+        assert 0 < r["p10_us"] <= r["median_us"] <= r["p90_us"]
+        # tokens_per_s is reps / total seconds: its mean step time lies between p10 and p90
+        # (always, for 3 steps: numpy's percentiles interpolate 20% and 80% of the way)
+        rate = r["tokens_per_s"]
+        assert 1e6 / r["p90_us"] * (1 - 1e-9) <= rate <= 1e6 / r["p10_us"] * (1 + 1e-9)
         assert r["tokens_match"] is True and r["cache_bytes"] > 0
 
 
