@@ -128,6 +128,11 @@ class RingKVCache:
         return sum(t.numel() * t.element_size() for t in stores)
 
     @property
+    def lengths(self) -> torch.Tensor:
+        """``(B,)`` each row's newest position + 1: where its next token goes (0 when empty)."""
+        return self._last_pos + 1
+
+    @property
     def kv_seqlens(self) -> torch.Tensor:
         """``(B,)`` number of cached entries visible to each row's newest position."""
         return self._visible_now().sum(dim=-1)
@@ -283,8 +288,10 @@ class RingKVCache:
         """
         positions = positions.to(torch.int64)
         keys, values, key_pos = self.keys_with_chunk(k, v, positions)
-        mask = self._mask(positions, key_pos) if mask is None else mask  # (B, T, K)
-        return self.attend_keys(q, positions, keys, values, mask, check_scale(scale))
+        # q may hold only the chunk's last queries (Gemma 4's KV-shared layers drop the rest)
+        q_positions = positions[:, positions.shape[1] - q.shape[2]:]
+        mask = self._mask(q_positions, key_pos) if mask is None else mask  # (B, Tq, K)
+        return self.attend_keys(q, q_positions, keys, values, mask, check_scale(scale))
 
     def keys_with_chunk(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -318,6 +325,36 @@ class RingKVCache:
         """``(B, K)`` positions of the keys :meth:`step` attends over for these queries: the
         slots once a decode token is written, ``[sinks | ring | chunk]`` before a chunk is."""
         return step_key_positions(self.positions, q_positions, self.sinks, self.capacity)
+
+    # ------------------------------------------------------------------ rows
+    def take_rows(self, index: torch.Tensor, *, check: bool = True) -> None:
+        """Make row ``i`` what row ``index[i]`` is now (beam search's reorder, repeat, select).
+
+        ``index`` is 1-D, integer, on this device, any length (rows may repeat). The same
+        length reorders in place (storage addresses unchanged, as a CUDA graph needs); another
+        length allocates storage for the new batch. ``check=False`` skips the range check and
+        its host sync (a beam step's indices are in range by construction).
+        """
+        check_tensor("index", index, self.device)
+        if index.ndim != 1 or index.is_floating_point() or index.dtype == torch.bool:
+            raise ValueError(f"index must be a 1-D integer tensor, got {index.dtype} "
+                             f"{tuple(index.shape)}")
+        if check and index.numel() and not bool(
+                ((index >= 0) & (index < self.batch_size)).all()):
+            raise ValueError(f"index must hold rows in [0, {self.batch_size}), got "
+                             f"{index.tolist()}")
+        stores = (self._k_store, self._v_store, self._pos_store, self._last_pos)
+        if index.numel() == self.batch_size:
+            for t in stores:
+                t.copy_(t.index_select(0, index))
+            return
+        self._k_store, self._v_store, self._pos_store, self._last_pos = (
+            t.index_select(0, index) for t in stores)
+        n = self._spare
+        self.k, self.v = self._k_store[:, :, :n], self._v_store[:, :, :n]
+        self.positions = self._pos_store[:, :n]
+        self.batch_size = index.numel()
+        self._rows = torch.arange(self.batch_size, device=self.device)
 
     # ------------------------------------------------------------------ taking tokens back
     def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:

@@ -1,4 +1,5 @@
-"""The command line: `python -m ringviz {demo,equivalence,perplexity,streaming,bench,conform} ...`.
+"""The command line: `python -m ringviz COMMAND ...` (demo, equivalence, perplexity, streaming,
+bench, conform, generate, chat).
 
 Each subcommand parses its flags here and calls one function of the package that returns a
 plain dict; `--json` prints that dict as the last line of output (progress goes to stderr).
@@ -122,6 +123,54 @@ def _cmd_conform(args: argparse.Namespace) -> dict:
     return {"cache": args.cache, "version": get(args.cache).version(), **report.to_dict()}
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _conversation(args: argparse.Namespace):
+    from ringviz.models.chat import Conversation
+    from ringviz.models.load import load_model
+
+    model, tokenizer = load_model(args.model)
+    return Conversation(model, tokenizer, window=args.window, sinks=args.sinks,
+                        stop=None if args.command == "generate" else Conversation.STOP)
+
+
+def _cmd_generate(args: argparse.Namespace) -> dict:
+    """Stream one continuation of ``--prompt`` through the ring, then its numbers."""
+    chat = _conversation(args)
+    write = (lambda _: None) if args.json else (lambda t: print(t, end="", flush=True))
+    result = chat.turn(args.prompt, max_new_tokens=args.max_new_tokens, write=write,
+                       framed=False)
+    return {"model": args.model, "window": chat.cache.window, "sinks": args.sinks, **result}
+
+
+def _cmd_chat(args: argparse.Namespace) -> dict:
+    """Turn after turn from stdin (an empty line or EOF ends); numbers after each turn."""
+    chat = _conversation(args)
+    print(f"{args.model}, ring window {chat.cache.window}, {args.sinks} sinks; an empty line "
+          f"ends, Ctrl-C stops a reply", file=sys.stderr)
+    turns = []
+    while True:
+        try:
+            text = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            break
+        if not text.strip():
+            break
+        print("model> ", end="", flush=True)
+        result = chat.turn(text, max_new_tokens=args.max_new_tokens,
+                           write=lambda t: print(t, end="", flush=True))
+        turns.append(result)
+        if not result["interrupted"]:
+            print(f"[{result['new_tokens']} tokens, {result['tokens_per_s']:.1f} tokens/s; "
+                  f"{result['tokens_so_far']} in the conversation; cache "
+                  f"{_mib(result['cache_bytes'])}, a full cache would hold "
+                  f"{_mib(result['full_cache_bytes'])}]", file=sys.stderr)
+    return {"model": args.model, "window": chat.cache.window, "sinks": args.sinks,
+            "turns": len(turns), "tokens": chat.ids.shape[1], "cache_bytes": chat.cache.nbytes}
+
+
 def _cases(text: str) -> list[tuple[int, int]]:
     """``"1x96,8x2048"`` -> ``[(1, 96), (8, 2048)]`` (batch x new tokens)."""
     try:
@@ -214,7 +263,22 @@ def build_parser() -> argparse.ArgumentParser:
                          help="largest chunk in a schedule (1: decode steps only)")
     conform.set_defaults(func=_cmd_conform)
 
-    for p in (demo, eq, ppl, stream, bench, conform):
+    gen = sub.add_parser("generate", help="stream a model's continuation through the ring")
+    talk = sub.add_parser("chat", help="a conversation turn after turn, in fixed memory")
+    for p, default in ((gen, 64), (talk, 128)):
+        p.add_argument("--model", choices=["smollm2", "gemma3"],
+                       required=p is gen, default="gemma3")
+        p.add_argument("--window", type=_positive_int, default=None,
+                       help="ring window W (default: the model's own; smollm2 needs one)")
+        p.add_argument("--sinks", type=_non_negative_int, default=0 if p is gen else 4,
+                       help="attention sinks kept beside each ring")
+        p.add_argument("--max-new-tokens", type=_positive_int, default=default,
+                       help="tokens per reply")
+    gen.add_argument("--prompt", required=True, help="the text to continue")
+    gen.set_defaults(func=_cmd_generate)
+    talk.set_defaults(func=_cmd_chat)
+
+    for p in (demo, eq, ppl, stream, bench, conform, gen, talk):
         p.add_argument("--json", action="store_true",
                        help="print one JSON object as the last line of output")
     return parser
@@ -230,7 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps(result, default=str))
-    elif args.command not in ("demo", "conform"):
+    elif args.command not in ("demo", "conform", "chat"):
         print_human(result)
     if args.command == "conform" and result.get("ok") is False:
         return 1  # the cache broke the window contract

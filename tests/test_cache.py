@@ -345,3 +345,30 @@ def test_decode_mask_shortcut_equals_the_band_mask(device, capacity):
         cache.step(x, x, x, pos)
         nxt = [p + 1 if int(q) >= 0 else p for p, q in zip(nxt, pos[:, 0])]
         assert torch.equal(cache._decode_mask(pos), cache._mask(pos, cache.positions))
+
+
+def test_take_rows_reorders_repeats_and_refuses_bad_indices():
+    from ringviz.cache import RingKVCache
+
+    torch.manual_seed(0)
+    cache = RingKVCache(3, 1, window=4, head_dim=2, sinks=1)
+    k = torch.randn(3, 1, 7, 2)
+    pos = torch.arange(7).expand(3, 7).clone()
+    pos[2, :3] = -1  # row 2 left-padded
+    cache.write(k, k, pos)
+    before = cache.k.clone(), cache.positions.clone(), cache.lengths.clone()
+    for bad in (torch.tensor([0, 3]), torch.tensor([[0]]), torch.tensor([0.0]),
+                torch.tensor([True, False, True])):
+        with pytest.raises(ValueError, match="index"):
+            cache.take_rows(bad)
+    assert torch.equal(cache.k, before[0]) and torch.equal(cache.positions, before[1])
+    address = cache.k.data_ptr()
+    cache.take_rows(torch.tensor([2, 0, 0]))  # same length: in place
+    assert cache.k.data_ptr() == address
+    assert torch.equal(cache.positions, before[1][[2, 0, 0]])
+    assert torch.equal(cache.lengths, before[2][[2, 0, 0]])
+    cache.take_rows(torch.tensor([0, 1, 1, 2, 0]))
+    assert cache.batch_size == 5 and cache.k.shape[0] == 5
+    assert torch.equal(cache.k, before[0][[2, 0, 0, 0, 2]])
+    cache.write(k[:1, :, :1].expand(5, 1, 1, 2), k[:1, :, :1].expand(5, 1, 1, 2),
+                cache.lengths[:, None])  # the next token of every row still writes

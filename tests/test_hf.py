@@ -11,7 +11,9 @@ transformers = pytest.importorskip("transformers")
 
 
 from tiny_models import (  # noqa: E402
+    F64,
     Collect,
+    max_score_diff,
     prompt,
     run,
     tiny_gemma,
@@ -26,21 +28,10 @@ from ringviz import hf  # noqa: E402
 from ringviz.hf import attention  # noqa: E402
 from ringviz.models.reference import reference_logits  # noqa: E402
 
-F64 = 1e-7  # float64: the ring path and HF's share every module but attention
 F32 = 1e-4  # float32 noise on these tiny models
 
 
 NATIVE = {"gemma3": tiny_gemma, "mistral": tiny_mistral, "qwen2": tiny_qwen2}
-
-
-def max_score_diff(a, b) -> float:
-    """Largest |difference| of two runs' scores; -inf (tokens a warper removed) must agree."""
-    worst = 0.0
-    for x, y in zip(a.scores, b.scores, strict=True):
-        assert torch.equal(torch.isinf(x), torch.isinf(y))
-        finite = torch.isfinite(x)
-        worst = max(worst, float((x[finite] - y[finite]).abs().max()))
-    return worst
 
 
 # ------------------------------------------------------------------------- equivalence
@@ -162,7 +153,7 @@ def test_ring_bytes_flat_from_20_to_2000_tokens():
     assert cache.get_seq_length() == 10 + 2000 - 1  # the last token is never fed back
     assert streamer.ring_bytes[20] == streamer.ring_bytes[2000 + 9] > 0
     full = [layer for layer in cache.layers if isinstance(layer, hf.FullLayer)]
-    assert full[0].allocated == 10 + 2000  # reserved once by generate, never regrown
+    assert 10 + 2000 <= full[0].allocated < 2 * (10 + 2000)  # grown by doubling, not reserved
 
 
 def test_full_layer_grows_geometrically_without_a_reserve():
@@ -197,8 +188,8 @@ def _state(model, cache):
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"num_beams": 2}, "beam_search"),
-    ({"prompt_lookup_num_tokens": 2}, "assisted"),
+    ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive_search"),
+    ({"assistant_early_exit": 1}, "assistant_early_exit"),
     ({"past_key_values": object()}, "past_key_values"),
     ({"position_ids": torch.arange(8)[None]}, "position_ids"),
     ({"cache_implementation": "static"}, "cache_implementation"),
@@ -233,7 +224,7 @@ def test_plain_generate_with_a_ring_cache_raises_naming_the_call():
     assert cache.get_seq_length() == 0 and cache.nbytes == 0  # refused before any write
 
 
-def test_used_cache_is_refused_and_switch_restored_on_error():
+def test_interrupted_cache_still_refuses_a_non_continuation_and_switch_restored():
     model = tiny_gemma(dtype=torch.float32)
     cache = hf.RingCache(model)
     with pytest.raises(KeyboardInterrupt):
@@ -241,7 +232,7 @@ def test_used_cache_is_refused_and_switch_restored_on_error():
                     streamer=Collect(fail_at=4))
     assert model.config._attn_implementation == "sdpa" and attention._ACTIVE.cache is None
     state = _state(model, cache)
-    with pytest.raises(ValueError, match="already holds tokens"):
+    with pytest.raises(ValueError, match="whole conversation"):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=3)
     assert _state(model, cache) == state
 
@@ -273,11 +264,10 @@ def test_unsupported_attention_features_are_named():
         hf.RingCache(llama, window=4)
 
 
-def test_ring_cache_cannot_roll_back():
+def test_ring_cache_without_spare_slots_cannot_crop():
     cache = hf.RingCache(tiny_llama(), window=4)
-    for op in (lambda: cache.crop(2), lambda: cache.reorder_cache(torch.tensor([0]))):
-        with pytest.raises(NotImplementedError, match="evicted"):
-            op()
+    with pytest.raises(NotImplementedError, match="evicted"):
+        cache.crop(-2)
 
 
 # ------------------------------------------------------------------------- torch.compile

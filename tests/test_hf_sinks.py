@@ -174,11 +174,12 @@ def test_bad_sink_arguments_raise_and_change_nothing(kwargs, error, match):
                      attention._ACTIVE.cache)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"sinks": 2}, {"sinks": 3, "sink_convention": "cache"}])
+@pytest.mark.parametrize("kwargs", [{"sinks": 1}, {"sinks": 2, "sink_convention": "absolute"},
+                                    {"sinks": 3, "sink_convention": "cache"}])
 def test_a_cache_with_other_sinks_is_refused(kwargs):
     model = tiny_gemma(dtype=torch.float32)
     cache = hf.RingCache(model, sinks=2, sink_convention="cache")
-    with pytest.raises(ValueError, match="differ from the cache's"):
+    with pytest.raises(ValueError, match="differs from the cache's"):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=3, **kwargs)
     assert cache.get_seq_length() == 0 and cache.nbytes == 0
 

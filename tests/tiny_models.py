@@ -119,3 +119,16 @@ class Collect(BaseStreamer):
 
     def end(self):
         self.ended = True
+
+
+F64 = 1e-7  # float64: the ring path and HF's share every module but attention
+
+
+def max_score_diff(a, b) -> float:
+    """Largest |difference| of two runs' scores; -inf (tokens a warper removed) must agree."""
+    worst = 0.0
+    for x, y in zip(a.scores, b.scores, strict=True):
+        assert torch.equal(torch.isinf(x), torch.isinf(y))
+        finite = torch.isfinite(x)
+        worst = max(worst, float((x[finite] - y[finite]).abs().max()))
+    return worst

@@ -21,7 +21,13 @@ raises an error that names :func:`generate`; it is never silently wrong.
 Modules: ``config`` (``read_layout``: the one reader of a model's config), ``rotary`` (the
 model's own RoPE), ``plan`` (``ForwardPlan``: what one forward needs, computed once),
 ``layers`` (``RingLayer``, ``FullLayer``), ``cache`` (``RingCache``), ``attention`` (the mask
-and attention hooks, ``ring_active``), ``generation`` (:func:`generate`).
+and attention hooks, ``ring_active``), ``generation`` (:func:`generate`), ``calls`` (what a
+call may ask of a cache it is handed: settings, a conversation's continuation, mask holes),
+``refuse`` (model features refused before the first forward).
+
+Real use: a conversation passes the returned cache back with the whole conversation as
+``input_ids`` (only the new tokens are prefilled); ``copy.deepcopy`` of a RingCache is an
+independent cache for the same model; beam search gathers the ring's rows.
 
 Attention sinks: ``RingCache(model, sinks=S, sink_convention="absolute" | "cache")`` (and the
 same arguments of :func:`generate`) keep each row's first ``S`` tokens in every ring: the

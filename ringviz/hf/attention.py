@@ -17,6 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from ringviz.hf.cache import RingCache
 from ringviz.hf.plan import NOT_THROUGH_GENERATE
+from ringviz.hf.refuse import check_eval_mode, check_no_grad
 
 ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transformers' registries
 
@@ -54,6 +55,7 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     cache = _ACTIVE.cache
     if cache is None or cache.config is not config:
         raise RuntimeError(NOT_THROUGH_GENERATE)
+    check_no_grad()  # before any layer of this forward runs
     kind = "full" if local_size is None else "sliding"
     if kind not in cache.kind_layer:
         raise RuntimeError(f"transformers asked for a {kind} mask, but the model's config "
@@ -87,6 +89,11 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         if kwargs.get(name) is not None:
             raise ValueError(f"attention argument {name!r} (soft-capping / learned sinks) is "
                              f"not implemented by the ring attention path")
+    if attention_mask is not None and (attention_mask.dtype != torch.bool
+                                       or attention_mask.shape[1] != 1):
+        raise ValueError(f"the model changed the ring's mask into a {attention_mask.dtype} "
+                         f"mask over {attention_mask.shape[1]} heads (a learned per-head mask, "
+                         f"as in Doge): the ring attention path does not implement it")
     cache = _ACTIVE.cache
     if cache is None:
         raise RuntimeError(NOT_THROUGH_GENERATE)
@@ -140,6 +147,7 @@ def ring_active(model, cache: RingCache, *, fast_switch: bool = True) -> Iterato
     switch for a cache goes through ``set_attn_implementation`` (it validates the name); later
     ones, with ``fast_switch``, set the one config attribute (:func:`attention_implementation`).
     """
+    check_eval_mode(model)
     register()
     before, _ACTIVE.cache = _ACTIVE.cache, cache
     try:

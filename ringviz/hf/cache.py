@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import Cache
 
-from ringviz.checks import check_sinks, sink_convention_from
+from ringviz.checks import check_int, check_sinks, sink_convention_from
 from ringviz.hf.config import read_layout
 from ringviz.hf.layers import FullLayer, RingLayer
 from ringviz.hf.plan import NOT_THROUGH_GENERATE, ForwardPlan, positions_from_mask
+from ringviz.hf.refuse import check_rope
 from ringviz.hf.rotary import model_sink_rope
 
 
@@ -27,6 +30,8 @@ def check_model(model) -> None:
                 getattr(config, "position_embedding_type", "")),
         "bidirectional attention": bool(getattr(config, "use_bidirectional_attention", False)),
         "chunked attention": getattr(config, "attention_chunk_size", None) is not None,
+        "a learned per-head attention mask (as in Doge)": any(
+            callable(getattr(m, "prepare_dynamic_mask", None)) for m in model.modules()),
     }
     found = [name for name, present in features.items() if present]
     if found:
@@ -47,6 +52,11 @@ class RingCache(Cache):
     base, not the global one). The same choices as :class:`ringviz.models.drive.RingRunner`,
     which drives a RingCache too.
 
+    ``draft=K`` gives every ring ``K`` spare slots (capacity ``window + K``, masks still
+    ``window``), so :meth:`crop` can take back a rejected draft of up to ``K`` tokens: assisted
+    decoding and prompt lookup (chapter 13's rollback), which :func:`~ringviz.hf.generate`
+    sizes from the call.
+
     One forward: transformers asks the mask hook for each layer kind's mask, and the first ask
     fills :attr:`plan` (:meth:`make_plan`); each layer's ``update`` then hands its new tokens on,
     and the attention hook calls :meth:`attend`: the layer's step (ring write + attention) with
@@ -54,16 +64,22 @@ class RingCache(Cache):
     """
 
     def __init__(self, model, *, window: int | None = None, sinks: int = 0,
-                 sink_convention: str = "absolute", sink_rope: str | None = None) -> None:
+                 sink_convention: str = "absolute", sink_rope: str | None = None,
+                 draft: int = 0) -> None:
         """``sink_rope=None | "cache"``: the deprecated spelling of ``sink_convention``."""
         sink_convention = sink_convention_from(sink_convention, sink_rope)
         sinks = check_sinks(sinks, sink_convention)
+        self.draft = check_int("draft", draft, minimum=0)
         check_model(model)
         layout = read_layout(model.config)
         windows = layout.windows(window)  # ValueError on a bad window
-        rope = model_sink_rope(model, "sliding_attention") if sink_convention == "cache" else None
-        super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope) if w else FullLayer()
-                                 for w in windows])
+        rope = None
+        if sink_convention == "cache":
+            rope = model_sink_rope(model, "sliding_attention")
+            check_rope(model, rope, "sliding_attention")
+        check_kv_sharing(model.config)
+        super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope, draft=self.draft)
+                                 if w else FullLayer() for w in windows])
         self.config, self.layout = model.config, layout
         self.windows = windows
         self.window = windows_of(windows)
@@ -83,6 +99,39 @@ class RingCache(Cache):
     def nbytes(self) -> int:
         """Bytes held by every layer's storage (keys, values, stored positions)."""
         return sum(layer.nbytes for layer in self.layers)
+
+    def __deepcopy__(self, memo: dict) -> RingCache:
+        """An independent cache for the same model (Hugging Face's prompt-cache reuse).
+
+        Every tensor is copied; the model's config (the identity the hooks check) and the sink
+        rotation (the model's own rotary embedding) are shared, not copied.
+        """
+        memo[id(self.config)] = self.config
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
+    def seen_columns(self) -> int:
+        """Columns (tokens, padding included) every layer has taken so far (a host sync).
+
+        Raises if the layers disagree: a forward stopped part-way (an exception inside the
+        model, Ctrl-C) left some layers a step ahead, and decoding on would mix two states.
+        """
+        counts = {int(layer.get_seq_length()) for layer in self.layers}
+        if len(counts) > 1:
+            raise ValueError(f"this RingCache's layers hold different token counts "
+                             f"{sorted(counts)}: a forward was stopped part-way; build a new "
+                             f"cache (or copy.deepcopy one before a call that may be stopped)")
+        return counts.pop()
+
+    def row_tokens(self) -> torch.Tensor:
+        """``(B,)`` real (unpadded) tokens each row holds: its newest position + 1."""
+        ring = next(layer.ring for layer in self.layers if isinstance(layer, RingLayer))
+        if ring is None:
+            raise ValueError("row_tokens: this RingCache holds no tokens yet")
+        return ring.lengths
 
     def allocate(self, batch_size: int, tokens: int, dtype: torch.dtype,
                  device: torch.device | str | None) -> None:
@@ -148,12 +197,39 @@ class RingCache(Cache):
             if isinstance(layer, FullLayer) and not layer.is_initialized:
                 layer.reserve = tokens
 
-    def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError(
-            "RingCache cannot crop, reorder or repeat its rows: a ring has evicted the tokens "
-            "that beam search and assisted decoding would roll back to; use greedy or sampling")
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens (assisted decoding's rejected drafts).
 
-    crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
+        Served for up to :attr:`draft` tokens, the rings' spare slots; more raises (changing
+        nothing): the ring has evicted what it would roll back to.
+        """
+        n = -int(tokens_to_remove)
+        if tokens_to_remove > 0 or n > self.draft:
+            raise NotImplementedError(
+                f"RingCache.crop({tokens_to_remove}): this cache's rings have spare slots for "
+                f"{self.draft} rejected draft tokens; past that a ring has evicted the tokens a "
+                f"crop would roll back to (build RingCache(model, draft=K) for drafts up to K)")
+        if n:
+            for layer in self.layers:
+                layer.crop(-n)
+
+
+def check_kv_sharing(config) -> None:
+    """Raise if a KV-shared layer reads keys no layer of this model writes.
+
+    Gemma 3n and Gemma 4 share keys: their last layers attend over the new keys of an earlier
+    layer of their type, which each such layer's own ring then stores as well (exact; it
+    costs the memory the sharing would save). A draft assistant's layers read its target
+    model's keys: nothing here writes them.
+    """
+    modes = getattr(config, "kv_sharing_modes", None) or []
+    types = getattr(config, "layer_types", None) or ["full_attention"] * len(modes)
+    for i, mode in enumerate(modes):
+        first = modes.index("reuse") if mode == "reuse" else None
+        if first is not None and types[i] not in types[:first]:
+            raise ValueError(f"layer {i} reads keys no layer of this model writes (a draft "
+                             f"assistant's layers read its target model's): RingCache cannot "
+                             f"serve it")
 
 
 def windows_of(windows: list[int | None]) -> int | None:

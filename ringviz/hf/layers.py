@@ -18,7 +18,28 @@ from ringviz.rope import Rope
 from ringviz.slots import step_key_positions
 
 
-class RingLayer(CacheLayerMixin):
+class RowsMixin:
+    """Hugging Face's row operations on a cache layer, all through ``take_rows(index)``.
+
+    Beam search reorders rows (``reorder_cache``), other searches repeat and select them: each a
+    gather on the batch axis, never a crop, so a ring serves them exactly.
+    """
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self.take_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        rows = self.keys.shape[0] if self.is_initialized else 0
+        self.take_rows(torch.arange(rows).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero()[:, 0]
+        self.take_rows(indices)
+
+
+class RingLayer(RowsMixin, CacheLayerMixin):
     """A sliding layer: a :class:`RingKVCache` of ``window`` slots per row, made on first use.
 
     ``sinks=S`` keeps each row's first ``S`` positions in ``S`` more slots (attention sinks);
@@ -29,9 +50,14 @@ class RingLayer(CacheLayerMixin):
     is_sliding = True
     is_compileable = True  # fixed shapes; the token count is a tensor, as in HF's StaticLayer
 
-    def __init__(self, window: int, *, sinks: int = 0, sink_rope: Rope | None = None) -> None:
+    def __init__(self, window: int, *, sinks: int = 0, sink_rope: Rope | None = None,
+                 draft: int = 0) -> None:
         super().__init__()
         self.window, self.sinks, self.sink_rope = window, sinks, sink_rope
+        # ``draft`` spare slots let a rejected draft of up to that many tokens be cropped: the
+        # ring holds window + draft positions, so the keys the next query needs survive
+        self.capacity = window + draft
+        self.is_croppable = draft > 0
         self.ring: RingKVCache | None = None
         # tokens (columns, padding included) given so far: a 0-d tensor updated in place, so a
         # compiled decode step does not specialise (and recompile) on its value
@@ -40,7 +66,8 @@ class RingLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
         self.ring = RingKVCache(B, H, self.window, D, sinks=self.sinks, sink_rope=self.sink_rope,
-                                dtype=key_states.dtype, device=key_states.device)
+                                capacity=self.capacity, dtype=key_states.dtype,
+                                device=key_states.device)
         self.keys, self.values = self.ring.k, self.ring.v
         self.seen = self.seen.to(key_states.device)
         self.is_initialized = True
@@ -53,7 +80,7 @@ class RingLayer(CacheLayerMixin):
     def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool ``(B, 1, T, K)``: which keys of :meth:`step` each query sees."""
         stored = self.ring.positions if self.ring is not None else None
-        keys = step_key_positions(stored, q_positions, self.sinks, self.window)
+        keys = step_key_positions(stored, q_positions, self.sinks, self.capacity)
         return band_mask(q_positions, keys, self.window, self.sinks)[:, None]
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -66,14 +93,31 @@ class RingLayer(CacheLayerMixin):
         self.seen.add_(key.shape[2])
         return out
 
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Row ``i`` becomes row ``index[i]`` (the row operations of :class:`RowsMixin`)."""
+        if self.ring is not None:
+            self.ring.take_rows(index.to(self.ring.device), check=False)
+            self.keys, self.values = self.ring.k, self.ring.v
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.sinks + self.window + (query_length if query_length > 1 else 0), 0
+        return self.sinks + self.capacity + (query_length if query_length > 1 else 0), 0
 
     def get_seq_length(self) -> torch.Tensor:
         return self.seen
 
     def get_max_length(self) -> int:
-        return self.sinks + self.window
+        return self.sinks + self.capacity
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens of every row (a rejected draft).
+
+        :meth:`RingKVCache.truncate`, which raises (changing nothing) unless every row still
+        holds the window its next query needs: true for drafts up to the spare slots.
+        """
+        n = -tokens_to_remove
+        if n and self.ring is not None:
+            self.ring.truncate(self.ring.lengths - n)
+            self.seen.sub_(n)
 
     @property
     def nbytes(self) -> int:
@@ -85,23 +129,25 @@ class RingLayer(CacheLayerMixin):
         self.seen.zero_()
 
 
-class FullLayer(CacheLayerMixin):
+class FullLayer(RowsMixin, CacheLayerMixin):
     """A full-attention layer: row ``b``'s token at position ``p`` lives in slot ``p``.
 
-    Storage grows by doubling (amortised O(1) per token, never a copy of the whole history per
-    step); one spare slot past the end takes padding writes. Slot ``j`` holds position ``j``:
+    Storage holds the tokens that arrived and grows by doubling (amortised O(1) per token,
+    never a copy of the whole history per step, never reserved for ``max_new_tokens``); one
+    spare slot past the end takes padding writes. Slot ``j`` holds position ``j``:
     a row's positions count its real tokens (``0, 1, 2, ...`` after its padding), so they never
     pass its column, the stored positions are implicit, and a query at ``p`` sees ``0..p``.
     """
 
     is_sliding = False
     is_compileable = False
+    is_croppable = True  # slot = position: a crop forgets the last columns
 
     def __init__(self) -> None:
         super().__init__()
         self.seen = 0  # columns given so far (padding included)
         self.allocated = 0  # slots per row in storage (the spare slot aside)
-        self.reserve = 0  # slots to allocate at first use (set by generate and RingRunner)
+        self.reserve = 0  # slots to allocate at first use (RingRunner knows its length)
         self._k_store: torch.Tensor | None = None
         self._v_store: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None  # (B,) row indices, made with the storage
@@ -150,8 +196,25 @@ class FullLayer(CacheLayerMixin):
             self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key)
             self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value)
         self.seen = need
+        empty = positions[:, T - query.shape[2]:] < 0  # the queries' rows (Gemma 4 keeps fewer)
         return masked_attention(query, self._k_store[:, :, :need], self._v_store[:, :, :need],
-                                mask[:, 0], scale=scale, empty=positions < 0)
+                                mask[:, 0], scale=scale, empty=empty)
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Row ``i`` becomes row ``index[i]`` (the row operations of :class:`RowsMixin`)."""
+        if self._k_store is None:
+            return
+        index = index.to(self._k_store.device)
+        if index.numel() == self._k_store.shape[0]:  # a reorder: in place
+            self._k_store.copy_(self._k_store.index_select(0, index))
+            self._v_store.copy_(self._v_store.index_select(0, index))
+            return
+        k, v = self._k_store.index_select(0, index), self._v_store.index_select(0, index)
+        self._allocate(k[:, :, :self.seen], v[:, :, :self.seen], self.allocated)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` columns (their slots are written again)."""
+        self.seen = max(0, self.seen + tokens_to_remove) if tokens_to_remove < 0 else self.seen
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0

@@ -15,4 +15,6 @@ Modules (transformers is imported here and in ``ringviz.hf``, never by the core)
 - ``speculative``: ``DraftRunner`` and greedy speculative decoding (chapter 13).
 - ``bugs``: the classic ring-cache bugs, run on a real model, next to the correct version.
 - ``rope_pitfalls``: RoPE pitfalls as runner variants (chapter 4).
+- ``chat``: ``Conversation``, turn after turn through one RingCache (``python -m ringviz
+  generate`` and ``python -m ringviz chat``).
 """

@@ -264,16 +264,19 @@ def draw_padded_batch(positions: np.ndarray, ring_positions: np.ndarray, window:
     ``positions`` is what the cache was given (-1 = padding, drawn hatched); under each real
     token is the slot the ring holds it in, read from ``ring_positions`` (B, window), the
     cache's stored positions after the step ("-" where a later token of the chunk displaced
-    it). Right: the rings themselves, slot by slot (chapter 7).
+    it). Below: the rings themselves, slot by slot (chapter 7).
     """
     pos, ring = np.asarray(positions), np.asarray(ring_positions)
     if pos.ndim != 2 or ring.ndim != 2 or len(pos) != len(ring) or ring.shape[1] != window:
         raise ValueError(f"positions must be (B, T) and ring_positions (B, {window}), got "
                          f"{pos.shape} and {ring.shape}")
     B, T = pos.shape
-    step = 1.7  # row pitch: a row of cells plus its line of slot labels
-    ax = _axes(ax, (BOOK_WIDTH, 1.3 + 0.8 * B))
-    gap = T + 2.2
+    step = 1.75  # row pitch: a row of cells plus its line of slot labels
+    below = B * step + 1.6  # the rings sit under the grid, so both get the full width
+    pitch = 1.15  # ring rows: no slot labels under them
+    x_lim, y_lim = (-1.6, max(T, window) + 0.3), (-(B - 1) * pitch - below - 0.3, 2.3)
+    aspect = (y_lim[1] - y_lim[0]) / (x_lim[1] - x_lim[0])
+    ax = _axes(ax, (BOOK_WIDTH, BOOK_WIDTH * aspect))
     for b in range(B):
         y = -b * step
         held = {int(p): s for s, p in enumerate(ring[b].tolist()) if p >= 0}
@@ -283,26 +286,29 @@ def draw_padded_batch(positions: np.ndarray, ring_positions: np.ndarray, window:
                                    facecolor=STATE_COLORS["empty" if pad else "visible"],
                                    edgecolor=EDGE_COLOR, linewidth=0.8))
             if not pad:
-                ax.text(t + 0.5, y + 0.4, str(p), ha="center", va="center", fontsize=10)
+                ax.text(t + 0.5, y + 0.4, str(p), ha="center", va="center", fontsize=12)
                 ax.text(t + 0.5, y - 0.12, f"s{held[p]}" if p in held else "-",
-                        ha="center", va="top", fontsize=8, color=EDGE_COLOR)
+                        ha="center", va="top", fontsize=10, color=EDGE_COLOR)
+        ax.text(-0.2, y + 0.4, f"row {b}", ha="right", va="center", fontsize=12)
+        y = -b * pitch - below
         for s, p in enumerate(ring[b].tolist()):
-            ax.add_patch(Rectangle((gap + s + 0.04, y), 0.92, 0.8, hatch="//" if p < 0 else None,
+            ax.add_patch(Rectangle((s + 0.04, y), 0.92, 0.8, hatch="//" if p < 0 else None,
                                    facecolor=STATE_COLORS["empty" if p < 0 else "visible"],
                                    edgecolor=EDGE_COLOR, linewidth=0.8))
-            ax.text(gap + s + 0.5, y + 0.4, "" if p < 0 else str(p), ha="center", va="center",
-                    fontsize=10)
-        ax.text(-0.2, y + 0.4, f"row {b}", ha="right", va="center", fontsize=9)
-    ax.text(gap - 0.15, 0.95, "slot", ha="right", va="bottom", fontsize=8, color=EDGE_COLOR)
+            ax.text(s + 0.5, y + 0.4, "" if p < 0 else str(p), ha="center", va="center",
+                    fontsize=12)
+        ax.text(-0.2, y + 0.4, f"row {b}", ha="right", va="center", fontsize=12)
+    ax.text(0, 1.0, f"positions passed, (B, T) = ({B}, {T}); hatched: padding (-1)\n"
+            "under each token: sN = kept in slot N, - = not kept", ha="left", va="bottom",
+            fontsize=11)
+    top = 1.0 - below
+    ax.text(0, top + 0.5, f"each row's ring after the step (W = {window}), slot by slot:",
+            ha="left", va="bottom", fontsize=11)
     for s in range(window):
-        ax.text(gap + s + 0.5, 0.95, str(s), ha="center", va="bottom", fontsize=8,
-                color=EDGE_COLOR)
-    ax.text(0, 1.45, f"positions passed, (B, T) = ({B}, {T})\nhatched: padding (-1)\n"
-            "sN: kept in slot N, -: not kept", ha="left", va="bottom", fontsize=9)
-    ax.text(gap, 1.45, f"rings after the step,\nW={window}", ha="left", va="bottom",
-            fontsize=9)
-    ax.set_xlim(-1.3, gap + window + 0.3)
-    ax.set_ylim(-(B - 1) * step - 0.7, 3.1)
+        ax.text(s + 0.5, top, str(s), ha="center", va="bottom", fontsize=10, color=EDGE_COLOR)
+    ax.text(-0.2, top, "slot", ha="right", va="bottom", fontsize=10, color=EDGE_COLOR)
+    ax.set_xlim(*x_lim)
+    ax.set_ylim(*y_lim)
     ax.set_aspect("equal")
     ax.axis("off")
     return ax

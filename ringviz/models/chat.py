@@ -1,0 +1,134 @@
+"""A conversation through the ring: each turn continues the cache the last one returned.
+
+:class:`Conversation` keeps one :class:`ringviz.hf.RingCache` and the conversation's token ids;
+a turn appends the user's text and calls :func:`ringviz.hf.generate` with the whole conversation
+and that cache (Hugging Face's multi-turn convention), so only the new tokens are prefilled and
+the sliding layers' memory stays fixed however long the conversation grows. What ``python -m
+ringviz generate`` and ``python -m ringviz chat`` run.
+
+A turn stopped part-way (Ctrl-C) is dropped: the conversation goes on from before it (a copy of
+the cache taken at the turn's start is put back), never from a cache whose layers disagree.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from ringviz import hf
+
+USER, MODEL = "User:", "Assistant:"  # a plain transcript: Gemma 3 270M is a base model
+
+
+class TextOut(BaseStreamer):
+    """Hands each new piece of text to ``write`` as the tokens arrive (the prompt is skipped)."""
+
+    def __init__(self, tokenizer, write: Callable[[str], None]) -> None:
+        self.tokenizer, self.write = tokenizer, write
+        self.tokens: list[int] = []
+        self.shown = 0
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate hands the prompt over first
+            self.prompt_seen = True
+            return
+        self.tokens.extend(value.reshape(-1).tolist())
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        self.write(text[self.shown:])
+        self.shown = len(text)
+
+    def end(self) -> None:
+        self.write("\n")
+
+
+def full_cache_bytes(model, tokens: int) -> int:
+    """Bytes Hugging Face's default cache would hold for ``tokens`` on every layer (K and V)."""
+    layout = hf.read_layout(model.config)
+    itemsize = next(model.parameters()).element_size()
+    return 2 * len(layout.kinds) * layout.num_kv_heads * layout.head_dim * itemsize * tokens
+
+
+def cache_bytes(cache, *, sliding: bool | None = None) -> int:
+    """Bytes a cache's layers hold (``sliding=True``: its sliding layers only), ringviz's or
+    Hugging Face's."""
+    total = 0
+    for layer in cache.layers:
+        if sliding and not layer.is_sliding:
+            continue
+        if hasattr(layer, "nbytes"):
+            total += layer.nbytes
+        elif getattr(layer, "keys", None) is not None:
+            total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+    return total
+
+
+class Conversation:
+    """A conversation with ``model`` through one RingCache (``window``, ``sinks`` as in it).
+
+    ``stop``: the text that ends a reply (default :attr:`STOP`, the next user's tag; None: only
+    EOS and ``max_new_tokens``).
+    """
+
+    STOP = f"\n{USER}"
+
+    def __init__(self, model, tokenizer, *, window: int | None = None, sinks: int = 0,
+                 stop: str | None = STOP, baseline: bool = False) -> None:
+        self.model, self.tokenizer, self.stop = model, tokenizer, stop
+        # baseline=True: the same conversation through Hugging Face's own default cache
+        self.baseline = baseline
+        self.cache = (DynamicCache(config=model.config) if baseline
+                      else hf.RingCache(model, window=window, sinks=sinks))
+        self.ids = torch.zeros(1, 0, dtype=torch.int64, device=model.device)
+        self.at_user = False  # the last reply ended in the stop string (the next user's tag)
+
+    def encode(self, text: str) -> torch.Tensor:
+        ids = self.tokenizer(text, add_special_tokens=self.ids.shape[1] == 0)["input_ids"]
+        return torch.tensor([ids], dtype=torch.int64, device=self.model.device)
+
+    def turn(self, text: str, *, max_new_tokens: int = 128, write: Callable[[str], None]
+             = lambda _: None, framed: bool = True, **kwargs) -> dict:
+        """Append ``text`` (framed as a user turn unless ``framed=False``), generate the reply.
+
+        Returns the reply, its token count, tokens/s (prefill and decode together), and the
+        cache's bytes against a full cache's for the conversation so far. ``interrupted`` is
+        True when Ctrl-C stopped the turn: it is dropped and the conversation is as before it.
+        """
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("a turn needs some text")
+        prompt = f"{USER} {text.strip()}\n{MODEL}" if framed else text
+        if framed and self.at_user:  # the model already wrote the user's tag
+            prompt = prompt[len(USER):]
+        elif framed and self.ids.shape[1]:
+            prompt = "\n" + prompt
+        ids = torch.cat([self.ids, self.encode(prompt)], dim=1)
+        saved = copy.deepcopy(self.cache)
+        out = TextOut(self.tokenizer, write)
+        stop = {"stop_strings": [self.stop], "tokenizer": self.tokenizer} if self.stop else {}
+        start = time.perf_counter()
+        try:
+            call = dict(cache=self.cache, max_new_tokens=max_new_tokens, do_sample=False,
+                        streamer=out, pad_token_id=self.tokenizer.eos_token_id, **stop, **kwargs)
+            seq = (self.model.generate(ids, **call) if self.baseline
+                   else hf.generate(self.model, ids, **call))
+        except KeyboardInterrupt:
+            self.cache = saved
+            write("\n[interrupted: turn dropped]\n")
+            return {"interrupted": True, "tokens_so_far": self.ids.shape[1]}
+        seconds = time.perf_counter() - start
+        new = seq.shape[1] - ids.shape[1]
+        self.ids = seq
+        reply = self.tokenizer.decode(seq[0, ids.shape[1]:], skip_special_tokens=True)
+        self.at_user = bool(self.stop) and reply.endswith(self.stop)
+        if self.at_user:
+            reply = reply[:-len(self.stop)]
+        return {"interrupted": False, "reply": reply.strip(), "new_tokens": new,
+                "tokens_per_s": new / seconds, "tokens_so_far": self.ids.shape[1],
+                "cache_bytes": cache_bytes(self.cache),
+                "sliding_bytes": cache_bytes(self.cache, sliding=True),
+                "full_cache_bytes": full_cache_bytes(self.model, self.ids.shape[1] - 1)}

@@ -1,0 +1,132 @@
+"""ringviz.models.chat and the generate/chat commands: a conversation through one RingCache.
+
+A tiny random Gemma 3 and a character-level tokenizer stand in for the real model (the CLI's
+real-model run is the chapter's); each turn must equal a fresh generate over the whole
+conversation, and a turn stopped by Ctrl-C must leave the conversation as it was.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tiny_models import VOCAB, tiny_gemma  # noqa: E402
+
+from ringviz import hf  # noqa: E402
+from ringviz.cli import build_parser, main  # noqa: E402
+from ringviz.models.chat import Conversation, full_cache_bytes  # noqa: E402
+
+
+class CharTokenizer:
+    """One token per character (codes 1..VOCAB-1); 0 is EOS and padding."""
+
+    eos_token_id = 0
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [1 + ord(c) % (VOCAB - 1) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(32 + int(i) % 90) for i in ids if int(i) or not skip_special_tokens)
+
+
+def _chat():
+    return Conversation(tiny_gemma(), CharTokenizer(), sinks=2, stop=None)
+
+
+def test_each_turn_continues_the_cache_and_equals_a_fresh_run():
+    chat = _chat()
+    pieces = []
+    for text in ("hello there, ring", "and a second, longer turn of text", "ok"):
+        result = chat.turn(text, max_new_tokens=9, write=pieces.append)
+        assert not result["interrupted"]
+        asked = chat.ids[:, :chat.ids.shape[1] - result["new_tokens"]]
+        fresh = hf.generate(chat.model, asked, sinks=2, max_new_tokens=9, do_sample=False,
+                            pad_token_id=0)
+        assert torch.equal(fresh, chat.ids)
+    assert chat.cache.get_seq_length() == chat.ids.shape[1] - 1
+    assert chat.ids.shape[1] > 3 * chat.cache.window  # the rings wrapped
+    assert "".join(pieces).strip()
+    assert result["full_cache_bytes"] == full_cache_bytes(chat.model, chat.ids.shape[1] - 1)
+
+
+def test_a_turn_stopped_by_ctrl_c_is_dropped_and_the_conversation_goes_on():
+    chat, twin = _chat(), _chat()
+    twin.model = chat.model
+    twin.cache = type(chat.cache)(chat.model, sinks=2)
+    for c in (chat, twin):
+        c.turn("first turn", max_new_tokens=6)
+    calls = []
+
+    def stop(text):
+        calls.append(text)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    result = chat.turn("a turn that is stopped", max_new_tokens=20, write=stop)
+    assert result["interrupted"]
+    assert torch.equal(chat.ids, twin.ids)
+    for c in (chat, twin):
+        c.turn("next turn", max_new_tokens=6)
+    assert torch.equal(chat.ids, twin.ids)  # as if the stopped turn had never been asked
+
+
+def test_an_empty_turn_is_refused():
+    with pytest.raises(ValueError, match="some text"):
+        _chat().turn("   ")
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--prompt", "x"],  # --model is required
+    ["generate", "--model", "gpt2", "--prompt", "x"],
+    ["generate", "--model", "gemma3"],  # --prompt is required
+    ["generate", "--model", "gemma3", "--prompt", "x", "--window", "0"],
+    ["chat", "--sinks", "-1"],
+    ["chat", "--max-new-tokens", "0"],
+])
+def test_bad_generate_and_chat_arguments_exit_with_usage_error(argv):
+    with pytest.raises(SystemExit) as err:
+        build_parser().parse_args(argv)
+    assert err.value.code == 2
+
+
+def test_help_lists_generate_and_chat(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "generate" in out and "chat" in out
+
+
+@pytest.mark.slow
+def test_generate_command_streams_gemma3_through_the_ring(capsys):
+    import json
+
+    assert main(["generate", "--model", "gemma3", "--prompt", "The harbor light", "--sinks",
+                 "2", "--max-new-tokens", "8", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["window"] == 512 and result["new_tokens"] <= 8 and result["reply"]
+
+
+def test_the_baseline_conversation_through_hf_default_cache_says_the_same():
+    model = tiny_gemma()
+    ring = Conversation(model, CharTokenizer(), stop=None)
+    base = Conversation(model, CharTokenizer(), stop=None, baseline=True)
+    for text in ("one turn", "a second, longer turn than the window"):
+        a, b = ring.turn(text, max_new_tokens=7), base.turn(text, max_new_tokens=7)
+        assert torch.equal(ring.ids, base.ids)
+        assert a["sliding_bytes"] == sum(layer.nbytes for layer in ring.cache.layers
+                                         if isinstance(layer, hf.RingLayer))
+        assert b["cache_bytes"] > b["sliding_bytes"] > 0
+
+
+def test_chat_command_holds_the_conversation_and_prints_numbers_each_turn(monkeypatch, capsys):
+    import ringviz.cli as cli
+
+    chat = Conversation(tiny_gemma(), CharTokenizer(), sinks=2, stop=None)
+    monkeypatch.setattr(cli, "_conversation", lambda args: chat)
+    lines = iter(["hello ring", "and again", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--sinks", "2", "--max-new-tokens", "5", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err.count("tokens/s") == 2 and "a full cache would hold" in err
+    assert '"turns": 2' in out.strip().splitlines()[-1]
+    assert chat.cache.get_seq_length() == chat.ids.shape[1] - 1
