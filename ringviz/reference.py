@@ -7,6 +7,9 @@
   ``StaticSlidingWindowLayer``). Fixed memory, but O(window) bytes moved per token.
 * :func:`windowed_attention_reference` — recompute attention over the whole sequence with a band
   mask, written out as plain matmul + softmax (no SDPA), so it shares no code path with the ring.
+* :class:`StreamingLLMCache` — StreamingLLM's own scheme for attention sinks: keys cached *before*
+  RoPE, cut to ``[sinks | last window]``, and every key and the query re-rotated at their positions
+  inside the cache (0 .. n-1) on every step: O(S + W) rotation work per token.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from ringviz.checks import check_int, check_kv, check_scale
 from ringviz.masks import band_mask
+from ringviz.rope import Rope, apply_rope
 
 
 class _KVBuffer:
@@ -127,3 +131,60 @@ def windowed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1 / math.sqrt(D))
     weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
     return (weights.nan_to_num(0.0) @ v).masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+
+class StreamingLLMCache:
+    """StreamingLLM (Xiao et al., 2023): unrotated ``[sinks | recent]``, re-rotated every step.
+
+    ``rope(x, positions)`` rotates ``x`` (B, H, n, D) at ``positions`` (B, n), which are the same
+    ``0 .. n-1`` in every row; pass a model's own rotary to match it. ``window=None`` keeps every
+    token (a full-attention layer: cache positions are absolute).
+
+    >>> import torch
+    >>> cache = StreamingLLMCache(sinks=1, window=2)
+    >>> for t in range(5):
+    ...     keys, values = cache.update(torch.zeros(1, 1, 1, 4), torch.full((1, 1, 1, 4), float(t)))
+    >>> values[0, 0, :, 0].tolist()  # sink 0, then the last window of 2
+    [0.0, 3.0, 4.0]
+    """
+
+    def __init__(self, sinks: int, window: int | None, rope: Rope = apply_rope) -> None:
+        self.sinks = check_int("sinks", sinks, minimum=0)
+        self.window = None if window is None else check_int("window", window)
+        self.rope = rope
+        self.k: torch.Tensor | None = None  # (B, Hkv, n, D), unrotated
+        self.v: torch.Tensor | None = None
+
+    def _keep(self, old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+        """``old ++ new`` cut to ``[first sinks | last window]``, in one copy on a decode step."""
+        if old is None:
+            old = new[:, :, :0]
+        S, W, n = self.sinks, self.window, old.shape[2] + new.shape[2]
+        if W is None or n <= S + W:
+            return torch.cat([old, new], dim=2)
+        if old.shape[2] >= S and new.shape[2] <= W:
+            return torch.cat([old[:, :, :S], old[:, :, n - W:], new], dim=2)
+        both = torch.cat([old, new], dim=2)
+        return torch.cat([both[:, :, :S], both[:, :, n - W:]], dim=2)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append unrotated ``k``/``v`` (B, Hkv, T, D), evict, return keys rotated at 0 .. n-1."""
+        if k.ndim != 4 or v.shape != k.shape:
+            raise ValueError(f"k and v must be equal 4-D shapes, got {k.shape} and {v.shape}")
+        if self.k is not None and (k.shape[:2] + k.shape[3:]) != (
+                self.k.shape[:2] + self.k.shape[3:]):
+            raise ValueError(f"k {tuple(k.shape)} does not match the cache's {tuple(self.k.shape)}")
+        self.k, self.v = self._keep(self.k, k), self._keep(self.v, v)
+        return self.rope(self.k, self.positions()), self.v
+
+    def positions(self) -> torch.Tensor:
+        """The cache positions ``0 .. n-1`` (B, n) every key is rotated at."""
+        if self.k is None:
+            raise ValueError("the cache is empty: update it first")
+        B, n = self.k.shape[0], self.k.shape[2]
+        return torch.arange(n, device=self.k.device).expand(B, n)
+
+    def query(self, q: torch.Tensor) -> torch.Tensor:
+        """Rotate unrotated ``q`` (B, Hq, 1, D) at the cache's last position (the query's own)."""
+        last = self.positions()[:, -1:]
+        return self.rope(q, last)

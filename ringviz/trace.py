@@ -5,7 +5,8 @@ actual caches (:class:`ringviz.RingKVCache` for scenarios, :class:`ringviz.RingK
 teaching ring, :class:`ringviz.ShiftWindowKVCache` for the copying window) and *diffing* their
 state before and after each step: written slots, evicted tokens and moved entries are observed,
 never re-derived from ``pos % window``. Frames hold only lists, ints, floats, strings and
-``None``, so a trace survives ``json.dumps`` and is what the stepper widget embeds.
+``None``, so a trace survives ``json.dumps`` and is what the stepper widget embeds. A frame's
+caption and index arithmetic are written by :mod:`ringviz.captions`.
 
 >>> t = trace_ring(window=4, tokens=6)
 >>> t.frames[-1].positions, t.frames[-1].start, t.frames[-1].evicted
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 
 from ringviz.cache import RingKVCache
+from ringviz.captions import ring_start, spans, step_arithmetic, step_caption
 from ringviz.checks import check_int
 from ringviz.masks import band_mask, decode_mask
 from ringviz.reference import ShiftWindowKVCache
@@ -87,12 +89,8 @@ class Scenario:
                              f"{max(self.lengths)} + {self.decode_steps} decode steps")
 
     def to_dict(self) -> dict:
-        """Plain JSON types (lists, not tuples), as stored in a trace; ``sinks`` only if set, so a
-        trace without sinks reads exactly as before sinks existed."""
-        data = json.loads(json.dumps(dataclasses.asdict(self)))
-        if not self.sinks:
-            del data["sinks"]
-        return data
+        """Plain JSON types (lists, not tuples), as stored in a trace."""
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @property
     def lengths(self) -> tuple[int, ...]:
@@ -143,22 +141,6 @@ class Trace:
         return cls(**{**data, "frames": frames})
 
 
-def spans(values: list[int]) -> str:
-    """Runs of consecutive ints for captions: ``[0, 1, 2, 5] -> '0..2, 5'``; order is kept."""
-    runs: list[list[int]] = []
-    for v in values:
-        if runs and v == runs[-1][-1] + 1:
-            runs[-1].append(v)
-        else:
-            runs.append([v])
-    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}..{r[-1]}" for r in runs)
-
-
-def _named(noun: str, values: list[int]) -> str:
-    """``token 5`` or ``tokens 0..4``."""
-    return f"{noun} {values[0]}" if len(values) == 1 else f"{noun}s {spans(values)}"
-
-
 def slot_states(query_pos: int, positions: np.ndarray, window: int, sinks: int = 0) -> list[str]:
     """Classify each slot for one query: visible (the real mask), else stale/future/empty.
 
@@ -203,112 +185,6 @@ def _diff(before: np.ndarray, after: np.ndarray) -> tuple[list[list[int]], list[
     return written, evicted, moved
 
 
-def _row_caption(queries: list[int], evicted: list[int],
-                 after: list[int], start: int, window: int, sinks: int = 0) -> str:
-    """One row's step in words: what was written where, what left, where the start is now."""
-    if not queries:
-        return "padding only, nothing written"
-    kept = [p for p in queries if p in after]
-    where = _named("slot", [after.index(p) for p in kept])
-    dropped = [p for p in queries if p not in after]
-    text = f"{_named('token', queries)} written to {where}"
-    if dropped:
-        text = (f"{_named('token', queries)} ({len(queries)} > W={window}) all attended inside "
-                f"the chunk; {_named('token', kept)} kept in {where}")
-    if evicted:
-        text += f", evicting {_named('token', evicted)}"
-    if dropped:
-        text += f"; {_named('token', dropped)} never stored"
-    if sinks and max(after[sinks:]) < 0:
-        return f"{text}; the ring is still empty"
-    return f"{text}; {'ring start' if sinks else 'start'} -> slot {start}"
-
-
-def _caption(queries: list[list[int]], evicted: list[list[int]],
-             after: np.ndarray, start: list[int], window: int, sinks: int = 0) -> str:
-    parts = [_row_caption(q, e, a, s, window, sinks)
-             for q, e, a, s in zip(queries, evicted, after.tolist(), start, strict=True)]
-    if len(parts) == 1:
-        return parts[0]
-    return "; ".join(f"row {b}: {text}" for b, text in enumerate(parts))
-
-
-def _slot_sum(pos: int, slot: int, window: int, sinks: int = 0) -> str:
-    """``pos 10 -> slot 10 % 4 = 2``, after checking that the cache really used that slot.
-
-    With sinks: ``pos 1 -> sink slot 1`` below ``sinks``, ``pos 9 -> slot 2 + 9 % 4 = 3`` after.
-    """
-    if sinks:
-        expected = pos if pos < sinks else sinks + pos % window
-        text = (f"sink slot {pos}" if pos < sinks else f"slot {sinks} + {pos} % {window}")
-        if expected != slot:
-            raise RuntimeError(f"the cache stored position {pos} in slot {slot}, not {text}")
-        return f"pos {pos} -> {text}" + ("" if pos < sinks else f" = {slot}")
-    if pos % window != slot:
-        raise RuntimeError(f"the cache stored position {pos} in slot {slot}, not "
-                           f"{pos} % {window} = {pos % window}")
-    return f"pos {pos} -> slot {pos} % {window} = {slot}"
-
-
-def _ring_start(after: list[int], sinks: int) -> int:
-    """With sinks: the slot of the oldest entry in the ring part of a row (0 while it is empty)."""
-    ring = [(p, sinks + s) for s, p in enumerate(after[sinks:]) if p >= 0]
-    return min(ring)[1] if ring else 0
-
-
-def _start_sum(newest: int, after: list[int], start: int, window: int, sinks: int) -> str:
-    """``start = (10 + 1) % 4 = 3``, or with sinks ``ring start = 2 + (9 + 1) % 4 = 4``, after
-    checking it against the start read from the cache."""
-    if sinks:
-        if newest < sinks:
-            return ""
-        full = newest - window + 1 >= sinks
-        formula = (f"{sinks} + ({newest} + 1) % {window}" if full
-                   else f"{sinks} + {sinks} % {window}")
-        expected = sinks + ((newest + 1) % window if full else sinks % window)
-        name = "ring start"
-    else:
-        full = min(after) >= 0
-        formula = f"({newest} + 1) % {window}" if full else "0 (ring not full)"
-        expected = (newest + 1) % window if full else 0
-        name = "start"
-    if expected != start:
-        raise RuntimeError(f"the cache's {name} is slot {start}, not {formula}")
-    if not (full or sinks):
-        return f"{name} = {formula}"
-    return f"{name} = {formula} = {start}" + ("" if full else " (ring not full)")
-
-
-def _row_arithmetic(queries: list[int], evicted: list[int], after: list[int], start: int,
-                    window: int, with_start: bool, sinks: int = 0) -> str:
-    """One row's index arithmetic: the slot of each stored token, evictions, the start pointer."""
-    kept = [p for p in queries if p in after]
-    if not kept:
-        return "nothing stored" if queries else ""
-    sums = [_slot_sum(p, after.index(p), window, sinks) for p in kept]
-    parts = [sums[0] if len(sums) == 1 else ", ".join(sums) if len(sums) == 2
-             else f"{sums[0]} ... {sums[-1]}"]
-    newest = max(kept)
-    if evicted == [newest - window]:
-        parts.append(f"evicts {evicted[0]} = {newest} - {window}")
-    elif evicted:
-        parts.append(f"evicts {spans(evicted)} (older than {newest} - {window} + 1 = "
-                     f"{newest - window + 1})")
-    if with_start:
-        parts.append(_start_sum(newest, after, start, window, sinks))
-    return "; ".join(p for p in parts if p)
-
-
-def _arithmetic(queries: list[list[int]], evicted: list[list[int]], after: np.ndarray,
-                start: list[int], window: int, sinks: int = 0) -> str:
-    rows = after.tolist()
-    parts = [_row_arithmetic(q, e, a, s, window, with_start=len(rows) == 1, sinks=sinks)
-             for q, e, a, s in zip(queries, evicted, rows, start, strict=True)]
-    if len(parts) == 1:
-        return parts[0]
-    return "; ".join(f"row {b}: {text}" for b, text in enumerate(parts) if text)
-
-
 def _ring_frame(kind: str, scenario: Scenario, before: np.ndarray, after: np.ndarray,
                 start: list[int], queries: list[list[int]], attended: np.ndarray) -> Frame:
     """A frame of a ring trace; ``attended`` is what the step's queries saw (ring + chunk)."""
@@ -321,9 +197,9 @@ def _ring_frame(kind: str, scenario: Scenario, before: np.ndarray, after: np.nda
     states = [slot_states(max(row), np.array(row), window, sinks) for row in after.tolist()]
     rope_abs, rope_slot = _rope(after, scenario)
     caption = ("empty cache: every slot is free" if kind == "empty"
-               else _caption(queries, evicted, after, start, window, sinks))
+               else step_caption(queries, evicted, after, start, window, sinks))
     arithmetic = ("" if kind == "empty"
-                  else _arithmetic(queries, evicted, after, start, window, sinks))
+                  else step_arithmetic(queries, evicted, after, start, window, sinks))
     return Frame(kind=kind, caption=caption, positions=after.tolist(), start=start,
                  written=written, evicted=evicted, moved=moved, queries=queries, keys=keys,
                  band=band, slot_state=states, rope_abs=rope_abs, rope_slot=rope_slot,
@@ -358,7 +234,7 @@ def trace_scenario(scenario: Scenario, *, device: torch.device | str | None = No
     def start() -> list[int]:
         if not scenario.sinks:
             return cache.start.tolist()
-        return [_ring_start(row, scenario.sinks) for row in cache.positions.tolist()]
+        return [ring_start(row, scenario.sinks) for row in cache.positions.tolist()]
 
     frames = [_ring_frame("empty", scenario, empty, empty, start(),
                           [[] for _ in range(rows)], empty)]

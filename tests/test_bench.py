@@ -25,7 +25,7 @@ from ringviz.bench.harness import Case, measure_interleaved, summarize
 from ringviz.bench.memory import checkpoints, run_memory
 from ringviz.bench.profile import STAGES, masked_step
 from ringviz.bench.report import figures
-from ringviz.bench.sinks import SINK_IMPLS, StreamingLLMCache, build_sink_cases
+from ringviz.bench.sinks import SINK_IMPLS, build_sink_cases, streaming_llm_cache
 from ringviz.rope import apply_rope
 
 pytest.importorskip("transformers")
@@ -174,7 +174,7 @@ def test_sink_caches_decode_what_they_claim(device):
         torch.testing.assert_close(cases["ring_sinks_absolute"](), cases["sink_concat"]())
     # streaming_llm's keys are unrotated; rotated at absolute positions they feed a ring
     pre, tok = make_inputs(shape, 8)
-    ref = StreamingLLMCache(pre.k, pre.v, 2, 6)
+    ref = streaming_llm_cache(pre.k, pre.v, 2, 6)
     ring = RingKVCache(1, 2, 6, 8, sinks=2, sink_rope=apply_rope, dtype=torch.float64,
                        device=device)
     pos = torch.arange(8, device=device)[None]
@@ -360,7 +360,13 @@ def test_model_rows_decode_the_same_tokens_both_ways():
     rows = model_rows(prompt_tokens=12, new_tokens=4, device=torch.device("cpu"))
     assert [r["impl"] for r in rows] == ["ring", "hf_default"]
     for r in rows:
-        assert r["bench"] == "model" and r["reps"] == 3 and r["tokens_per_s"] > 0
+        assert r["bench"] == "model" and (r["prompt_tokens"], r["new_tokens"]) == (12, 4)
+        assert r["reps"] == 4 - 1  # every asked-for token timed but the first (the prefill's)
+        assert 0 < r["p10_us"] <= r["median_us"] <= r["p90_us"]
+        # tokens_per_s is reps / total seconds: its mean step time lies between p10 and p90
+        # (always, for 3 steps: numpy's percentiles interpolate 20% and 80% of the way)
+        rate = r["tokens_per_s"]
+        assert 1e6 / r["p90_us"] * (1 - 1e-9) <= rate <= 1e6 / r["p10_us"] * (1 + 1e-9)
         assert r["tokens_match"] is True and r["cache_bytes"] > 0
 
 

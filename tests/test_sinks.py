@@ -166,6 +166,42 @@ def test_conventions_agree_until_s_plus_w_then_differ():
     assert gap[sinks + window:].min() > 1e-3
 
 
+@pytest.mark.parametrize(("sinks", "window", "prefill"), [(2, 3, 1), (0, 4, 1), (3, 2, 7)])
+def test_the_package_streaming_llm_reference_equals_the_literal_one(sinks, window, prefill):
+    """ringviz.reference.StreamingLLMCache (the bench's and models/sinks' reference), given this
+    file's textbook rope, equals the paper's algorithm above token by token after a prefill of
+    ``prefill`` tokens (7 > S + W: the prefill itself is cut)."""
+    from ringviz.reference import StreamingLLMCache
+
+    q, k, v, _ = make_case(5, 1, 2, 2, 8, [16], 0.0)
+    want = streaming_llm_row(q[0], k[0], v[0], sinks, window)
+    cache = StreamingLLMCache(sinks, window, rope)
+    cache.update(k[:, :, :prefill], v[:, :, :prefill])
+    assert cache.k.shape[2] == min(prefill, sinks + window)
+    for p in range(prefill, 16):
+        keys, values = cache.update(k[:, :, p:p + 1], v[:, :, p:p + 1])
+        got = attend_one(cache.query(q[:, :, p:p + 1])[0, :, 0], keys[0], values[0])
+        assert (got - want[:, p]).abs().max() < 1e-12
+
+
+def test_streaming_llm_reference_rejects_bad_input():
+    from ringviz.reference import StreamingLLMCache
+
+    with pytest.raises(ValueError, match="sinks"):
+        StreamingLLMCache(-1, 4)
+    with pytest.raises(TypeError, match="window"):
+        StreamingLLMCache(1, 4.0)
+    cache = StreamingLLMCache(1, 4)
+    with pytest.raises(ValueError, match="empty"):
+        cache.query(torch.zeros(1, 1, 1, 8))
+    cache.update(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))
+    with pytest.raises(ValueError, match="does not match"):
+        cache.update(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 1, 8))
+    with pytest.raises(ValueError, match="equal 4-D"):
+        cache.update(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 2, 8))
+    assert cache.k.shape == (1, 2, 3, 8)  # the rejected calls changed nothing
+
+
 def test_sink_shift_is_p_minus_cache_position():
     p = torch.tensor([[-1, 0, 3, 5, 6, 7, 100]])
     assert sink_shift(p, sinks=2, window=4).tolist() == [[0, 0, 0, 0, 1, 2, 95]]

@@ -199,10 +199,10 @@ def test_arithmetic_shows_each_step_index_sum():
 
 
 def test_arithmetic_checks_the_observed_slot():
-    from ringviz.trace import _slot_sum
-    assert _slot_sum(10, 2, 4) == "pos 10 -> slot 10 % 4 = 2"
+    from ringviz.captions import slot_sum
+    assert slot_sum(10, 2, 4) == "pos 10 -> slot 10 % 4 = 2"
     with pytest.raises(RuntimeError, match="slot 1, not 10 % 4 = 2"):
-        _slot_sum(10, 1, 4)
+        slot_sum(10, 1, 4)
 
 
 SINK_SCENARIOS = {
@@ -295,21 +295,24 @@ def test_sink_arithmetic_and_captions():
     assert chunked.frames[2].arithmetic == (
         "pos 6 -> slot 1 + 6 % 3 = 1 ... pos 8 -> slot 1 + 8 % 3 = 3; evicts 2..4 (older than "
         "8 - 3 + 1 = 6); ring start = 1 + (8 + 1) % 3 = 1")
-    from ringviz.trace import _slot_sum
-    assert _slot_sum(1, 1, 4, sinks=2) == "pos 1 -> sink slot 1"
+    from ringviz.captions import slot_sum
+    assert slot_sum(1, 1, 4, sinks=2) == "pos 1 -> sink slot 1"
     with pytest.raises(RuntimeError, match="slot 2, not slot 2 \\+ 9 % 4"):
-        _slot_sum(9, 2, 4, sinks=2)
+        slot_sum(9, 2, 4, sinks=2)
     with pytest.raises(RuntimeError, match="slot 3, not sink slot 1"):
-        _slot_sum(1, 3, 4, sinks=2)
+        slot_sum(1, 3, 4, sinks=2)
 
 
 def test_no_sinks_is_the_plain_ring():
-    """``sinks=0`` is the default and leaves traces as they were: no sink key, no sink state."""
+    """``sinks=0`` is the default and the plain ring: W slots, no sink state, the plain caption."""
     for s in SCENARIOS.values():
-        trace = trace_scenario(s)
-        assert trace == trace_scenario(Scenario(**{**s.to_dict(), "sinks": 0}))
-        assert "sinks" not in trace.scenario and '"sink' not in trace.to_json()
-    assert "sinks" in Scenario(sinks=1).to_dict()
+        plain = Scenario(**{**s.to_dict(), "sinks": 0})
+        trace = trace_scenario(plain)
+        assert trace.scenario["sinks"] == 0 and trace.scenario == plain.to_dict()
+        assert all(len(row) == plain.window for f in trace.frames for row in f.positions)
+        assert not any("sink" in row for f in trace.frames for row in f.slot_state)
+        assert not any("ring start" in f.caption for f in trace.frames)
+    assert Scenario(sinks=1).to_dict()["sinks"] == 1
 
 
 @pytest.mark.parametrize(("sinks", "error"), [(-1, ValueError), (1.5, TypeError)])

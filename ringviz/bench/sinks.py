@@ -13,7 +13,8 @@ Impls (``impl`` field), all in StreamingLLM's convention (sinks scored from cach
 * ``ring_sinks`` — :class:`ringviz.RingKVCache` with ``sinks=S, sink_rope=apply_rope``: one slot
   written, the ``S`` sink keys turned by ``p - c`` (:func:`ringviz.sinks.rotate_sinks`).
 * ``ring_sinks_absolute`` — the same cache with ``sink_rope=None``: no rotation at all.
-* ``streaming_llm`` — StreamingLLM's reference scheme: unrotated keys, ``cat`` then keep
+* ``streaming_llm`` — StreamingLLM's reference scheme
+  (:class:`ringviz.reference.StreamingLLMCache`): unrotated keys, ``cat`` keeping
   ``[sinks | last W]``, and all ``S + W`` keys re-rotated at positions ``0 .. S+W-1`` from a
   precomputed cos/sin table (the cheapest way to re-rotate), then SDPA.
 * ``sink_concat`` — a ring for the window plus a separate sink store, concatenated into
@@ -31,7 +32,8 @@ from ringviz.bench.cases import Shape, make_inputs
 from ringviz.bench.harness import Case
 from ringviz.cache import RingKVCache
 from ringviz.masks import band_mask
-from ringviz.rope import apply_rope, rope_angles, rotate
+from ringviz.reference import StreamingLLMCache
+from ringviz.rope import Rope, apply_rope, rope_angles, rotate
 from ringviz.sinks import rotate_sinks
 
 SINK_IMPLS = ("ring_sinks", "ring_sinks_absolute", "streaming_llm", "sink_concat")
@@ -48,25 +50,28 @@ def _full_sink_ring(shape: Shape, window: int, sinks: int, convention: str,
     return cache, torch.full((shape.batch, 1), n - 1, dtype=torch.int64, device=shape.device)
 
 
-class StreamingLLMCache:
-    """StreamingLLM's scheme: unrotated ``[sinks | recent]``, re-rotated in the cache per step."""
+def _table_rope(n: int, head_dim: int, dtype: torch.dtype, device) -> Rope:
+    """StreamingLLM's rotation from a cos/sin table of the ``n`` cache positions, built once.
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, sinks: int, window: int) -> None:
-        self.k, self.v, self.sinks, self.window = k, v, sinks, window  # (B, Hkv, S + W, D)
-        angles = rope_angles(torch.arange(sinks + window, device=k.device), k.shape[-1])
-        emb = torch.cat((angles, angles), dim=-1)  # (S + W, D): positions inside the cache
-        self.cos, self.sin = emb.cos().to(k.dtype), emb.sin().to(k.dtype)
+    The reference rotates every row at the same cache positions, so one row's lookup serves the
+    batch: the cheapest way to re-rotate ``S + W`` keys per step.
+    """
+    emb = torch.cat([rope_angles(torch.arange(n, device=device), head_dim)] * 2, dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)  # (n, D)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append, evict the oldest non-sink, return the keys rotated at 0 .. n-1 and values."""
-        S = self.sinks
-        self.k = torch.cat([self.k[:, :, :S], self.k[:, :, S + 1:], k], dim=2)
-        self.v = torch.cat([self.v[:, :, :S], self.v[:, :, S + 1:], v], dim=2)
-        return rotate(self.k, self.cos, self.sin), self.v
+    def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return rotate(x, cos[positions[0]], sin[positions[0]])
 
-    def query(self, q_raw: torch.Tensor) -> torch.Tensor:
-        """The unrotated query rotated at the cache's last position."""
-        return rotate(q_raw, self.cos[-1], self.sin[-1])
+    return rope
+
+
+def streaming_llm_cache(pre_k: torch.Tensor, pre_v: torch.Tensor, sinks: int,
+                        window: int) -> StreamingLLMCache:
+    """:class:`ringviz.reference.StreamingLLMCache` holding the ``S + W`` unrotated prefill keys."""
+    rope = _table_rope(sinks + window, pre_k.shape[-1], pre_k.dtype, pre_k.device)
+    cache = StreamingLLMCache(sinks, window, rope)
+    cache.update(pre_k, pre_v)
+    return cache
 
 
 def _steps(impl: str, shape: Shape, window: int, sinks: int, pre_k: torch.Tensor,
@@ -91,7 +96,7 @@ def _steps(impl: str, shape: Shape, window: int, sinks: int, pre_k: torch.Tensor
 
         return update, decode
     if impl == "streaming_llm":
-        ref_u, ref_d = (StreamingLLMCache(pre_k, pre_v, sinks, window) for _ in range(2))
+        ref_u, ref_d = (streaming_llm_cache(pre_k, pre_v, sinks, window) for _ in range(2))
 
         def decode_ref() -> torch.Tensor:
             keys, values = ref_d.update(tok.k, tok.v)

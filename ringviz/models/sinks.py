@@ -2,9 +2,11 @@
 
 :func:`streaming_llm_logits` is StreamingLLM's algorithm as the paper and its code run it: keys
 cached *before* RoPE, the cache cut to ``[sinks | last W]``, and every key and the query
-re-rotated at their positions inside the cache on every step. It shares nothing with the ring
-but Hugging Face's modules. The model's own RoPE as a ``sink_rope`` (``model_sink_rope``) and
-float64 angles for exactness checks (``float64_rope_angles``) live in :mod:`ringviz.hf.rotary`.
+re-rotated at their positions inside the cache on every step
+(:class:`ringviz.reference.StreamingLLMCache`, given the model's own rotary). It shares nothing
+with the ring but Hugging Face's modules. The model's own RoPE as a ``sink_rope``
+(``model_sink_rope``) and float64 angles for exactness checks (``float64_rope_angles``) live
+in :mod:`ringviz.hf.rotary`.
 """
 
 from __future__ import annotations
@@ -15,36 +17,26 @@ from ringviz.checks import check_int
 from ringviz.hf.attention import attention_implementation
 from ringviz.hf.config import KIND_TYPES, read_layout
 from ringviz.hf.rotary import model_sink_rope
+from ringviz.reference import StreamingLLMCache
 
 STREAMING_REF_NAME = "ringviz_streaming_llm_reference"
 
 
 class _StreamingState:
-    """Per layer: unrotated keys and values ``[sinks | recent]`` (1, Hkv, n, D) and the rope."""
+    """Per layer, a :class:`ringviz.reference.StreamingLLMCache` with the model's own rotary."""
 
     def __init__(self, model, sinks: int, window: int | None) -> None:
         layout = read_layout(model)
-        self.sinks, self.window = sinks, window
-        kinds = layout.kinds
-        self.sliding = [w is not None for w in layout.windows(window)]  # Llama: all, imposed
-        self.ropes = [model_sink_rope(model, KIND_TYPES[kind]) for kind in kinds]
-        self.k: list[torch.Tensor | None] = [None] * len(kinds)
-        self.v: list[torch.Tensor | None] = [None] * len(kinds)
+        self.caches = [StreamingLLMCache(sinks, w, model_sink_rope(model, KIND_TYPES[kind]))
+                       for kind, w in zip(layout.kinds, layout.windows(window), strict=True)]
+        # Llama: every layer sliding, imposed; Gemma 3's full layers keep everything
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scaling: float) -> torch.Tensor:
         """One token: append, evict to ``[sinks | last W]``, re-rotate all, attend (1, Hq, 1, D)."""
-        keys = k if self.k[layer] is None else torch.cat([self.k[layer], k], dim=2)
-        values = v if self.v[layer] is None else torch.cat([self.v[layer], v], dim=2)
-        if self.sliding[layer] and keys.shape[2] > self.sinks + self.window:
-            keep = list(range(self.sinks)) + list(range(keys.shape[2] - self.window,
-                                                        keys.shape[2]))
-            keys, values = keys[:, :, keep], values[:, :, keep]
-        self.k[layer], self.v[layer] = keys, values
-        n = keys.shape[2]
-        rope = self.ropes[layer]
-        keys = rope(keys, torch.arange(n, device=keys.device)[None])  # positions in the cache
-        q = rope(q, torch.full((1, 1), n - 1, device=q.device))  # the query is the last entry
+        cache = self.caches[layer]
+        keys, values = cache.update(k, v)
+        q = cache.query(q)  # the query is the cache's last entry
         G = q.shape[1] // keys.shape[1]
         keys, values = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
         weights = torch.softmax((q @ keys.transpose(-1, -2)) * scaling, dim=-1)

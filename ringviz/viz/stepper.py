@@ -39,8 +39,7 @@ LABELS = {"window": "window W", "tokens": "tokens", "prompt": "prompt tokens",
 def view(trace: Trace) -> dict:
     """What the JavaScript view draws of a trace, compactly: masks as '0'/'1' strings per query,
     slot states as one letter per slot (``v``isible, ``s``tale, ``f``uture, ``e``mpty, sin``k``).
-    A trace with sinks also says how many (``"sinks"``: its first slots are sink slots); one
-    without has no such key, so its view is what it was before sinks existed.
+    ``"sinks"`` says how many of a frame's first slots are sink slots (0: a plain ring).
 
     >>> v = view(trace_ring(window=2, tokens=3))
     >>> v["frames"][-1]["positions"], v["frames"][-1]["states"], v["frames"][-1]["band"]
@@ -58,9 +57,8 @@ def view(trace: Trace) -> dict:
         "band": [["".join("1" if b else "0" for b in q) for q in row] for row in f.band],
         "states": ["".join(STATE_LETTERS[s] for s in row) for row in f.slot_state],
     } for f in trace.frames]
-    out = {"layout": trace.layout, "window": trace.window, "rows": trace.rows, "frames": frames}
-    sinks = trace.scenario.get("sinks", 0)
-    return {**out, "sinks": sinks} if sinks else out
+    return {"layout": trace.layout, "window": trace.window, "rows": trace.rows,
+            "sinks": trace.scenario.get("sinks", 0), "frames": frames}
 
 
 def pack(views: Sequence[dict]) -> tuple[list[dict], list[dict]]:
