@@ -24,17 +24,9 @@ decode) and returns their attention output:
   early queries still need (the executorch #20346 failure). The chunk's own sink tokens are
   scored in the sink columns, from a copy of the S sink slots.
 
-Keys arrive rotated at their absolute positions and stay so. Two RoPE conventions for sinks:
-
-* ``sink_rope=None``: every key keeps its absolute rotation, so a query at ``p`` sees sink ``j``
-  at distance ``p - j``, which grows without bound (mlx-lm's ``RotatingKVCache(keep=S)``).
-* ``sink_rope=f`` (``f(x, positions)`` rotates like :func:`ringviz.apply_rope`): StreamingLLM's
-  positions inside the cache. StreamingLLM re-rotates ``[sinks | window]`` at ``0 .. n-1`` every
-  step; a window key's distance to the query is then the same as with absolute positions, and
-  only a sink ``j`` differs: it is scored as if the query sat at ``c = min(p, S + W - 1)``. Since
-  ``<R(p) q, R(p - c) R(j) k> = <R(c) q, R(j) k>``, rotating just the ``S`` sink keys by
-  ``p - c`` (:func:`sink_shift`) gives StreamingLLM's scores exactly: ``O(S)`` work per query,
-  the window never re-rotated, the stored sinks never changed.
+Keys arrive rotated at their absolute positions and stay so; ``sink_rope`` picks how the sinks
+are scored (absolute positions, or StreamingLLM's positions inside the cache: :mod:`ringviz.sinks`).
+Attention itself is :mod:`ringviz.attention`'s; every argument check is :mod:`ringviz.checks`'.
 
 Padding (position -1, left or right) never takes a slot; a query with nothing visible gets
 zeros, never NaN. Every check runs before anything is written: a rejected call changes nothing.
@@ -49,8 +41,6 @@ Things to know (by design, not checked):
   (inf, NaN) can reach queries that cannot see it: a masked key still enters SDPA's
   ``weights @ values`` with weight 0, and ``0 * NaN`` is NaN. Whether it does depends on the
   chunking (which masked slots share a call). Keep k/v finite.
-* ``sink_rope`` reproduces StreamingLLM for rows whose positions run ``0, 1, 2, ...``; for other
-  rows it applies the same rule, ``c = min(p, S + W - 1)``, to their absolute positions.
 
 Speculative decoding (chapter 13) adds two things, both unused by default: ``capacity`` slots
 per row (default ``window``; slot = ``pos % capacity``, masks still use ``window``), and
@@ -74,21 +64,28 @@ after them holds the last four positions in slots ``2 + pos % 4``:
 >>> _ = cache.step(x, x, x, torch.arange(9)[None])
 >>> cache.positions
 tensor([[0, 1, 8, 5, 6, 7]])
->>> sink_shift(torch.tensor([[3, 5, 6, 20]]), sinks=2, window=4)  # rotation of the sink keys
-tensor([[ 0,  0,  1, 15]])
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 
-from ringviz.checks import check_int, check_kv, check_scale, check_tensor
+from ringviz.attention import ring_attention
+from ringviz.checks import (
+    check_int,
+    check_kv,
+    check_positions,
+    check_query,
+    check_scale,
+    check_sink_rope,
+    check_tensor,
+    check_truncate,
+    missing_positions,
+)
 from ringviz.masks import band_mask
+from ringviz.rope import Rope
+from ringviz.sinks import sinks_with_chunk
 
-Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 _NEVER = torch.iinfo(torch.int64).max  # a position no key reaches
 
 
@@ -192,49 +189,17 @@ class RingKVCache:
         """Raise on any malformed input, before anything is written."""
         check_kv(k, v, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
                  head_dim=self.head_dim, dtype=self.dtype, device=self.device)
-        self._check_positions(check_tensor("positions", positions, self.device), k.shape[2])
-
-    def _check_positions(self, positions: torch.Tensor, T: int) -> None:
-        if positions.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"positions must be int64 or int32, got {positions.dtype}")
-        if positions.shape != (self.batch_size, T):
-            raise ValueError(
-                f"positions must be (B, T) = {(self.batch_size, T)}, got {tuple(positions.shape)}")
-        before = self._last_pos[:, None]  # (B, 1) newest position stored so far, >= -1
-        if T > 1:  # ... or earlier in this chunk
-            running = torch.cummax(positions.clamp_min(-1), dim=1).values
-            before = torch.cat([before, torch.maximum(running[:, :-1], before)], dim=1)
-        # all but padding must come after `before` (>= -1): this also refuses -2, -3, ...
-        bad = (positions <= before) & (positions != -1)  # (B, T)
-        if not bool(bad.any()):  # the only host sync of a valid call
-            return
-        if bool((positions < -1).any()):
-            raise ValueError("positions must be >= 0, or -1 for padding; got other negatives")
-        b, t = (int(i) for i in bad.nonzero()[0])
-        pos, newest = int(positions[b, t]), int(self._last_pos[b])
-        if pos <= newest:
-            raise ValueError(f"row {b}: position {pos} is not after the row's cached "
-                             f"positions (newest {newest})")
-        raise ValueError(f"row {b}: positions must strictly increase, got {pos} after "
-                         f"{int(before.expand_as(positions)[b, t])}")
+        check_positions(check_tensor("positions", positions, self.device), self._last_pos,
+                        k.shape[2])
 
     def _check_q(self, q: torch.Tensor, T: int) -> None:
-        """``q`` must be (B, Hq, T, head_dim) on the cache's device and dtype, Hq % Hkv == 0."""
-        check_tensor("q", q, self.device)
-        if q.dtype != self.dtype:
-            raise TypeError(f"q has dtype {q.dtype}, the cache holds {self.dtype}")
-        if q.ndim != 4 or q.shape[0] != self.batch_size or q.shape[2] != T \
-                or q.shape[3] != self.head_dim:
-            raise ValueError(f"q must be (B={self.batch_size}, Hq, T={T}, "
-                             f"head_dim={self.head_dim}), got {tuple(q.shape)}")
-        if q.shape[1] == 0 or q.shape[1] % self.num_kv_heads:
-            raise ValueError(f"Hq={q.shape[1]} query heads is not a positive multiple of "
-                             f"n_kv_heads={self.num_kv_heads}")
+        check_query(q, T, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim, dtype=self.dtype, device=self.device)
 
     def check_positions(self, positions: torch.Tensor) -> None:
         """Raise if ``positions`` (B, T) could not be written next, writing nothing."""
         check_tensor("positions", positions, self.device)
-        self._check_positions(positions, positions.shape[-1] if positions.ndim else -1)
+        check_positions(positions, self._last_pos, positions.shape[-1] if positions.ndim else -1)
 
     def check_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    positions: torch.Tensor, *, scale: float | None = None) -> None:
@@ -302,24 +267,8 @@ class RingKVCache:
                     ) -> torch.Tensor:
         """Masked attention over ``keys`` whose first ``S`` are the sink slots, in this cache's
         sink convention (the storage, or :meth:`keys_with_chunk`'s keys; ringviz.hf calls it)."""
-        if self.sink_rope is None:
-            return masked_attention(q, keys, values, mask, scale=scale)
-        sink_keys = rotate_sinks(keys[:, :, :self.sinks], q_positions, self.window,
-                                 self.sink_rope)
-        return sink_attention(q, keys, values, mask, sink_keys, scale=scale)
-
-    def _sinks_with(self, k: torch.Tensor, v: torch.Tensor,
-                    positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sink slots' keys and values ``(B, Hkv, S, D)`` as they will be once this chunk's
-        sink tokens (positions < S) are stored: a copy of S slots, so the chunk's queries score
-        every sink alike while nothing is written before attention."""
-        B, H, T, D = k.shape
-        S = self.sinks
-        slot = torch.where((positions >= 0) & (positions < S), positions, S)  # S: a scratch
-        index = slot[:, None, :, None].expand(B, H, T, D)
-        sink_k = self._k_store[:, :, :S + 1].clone().scatter_(2, index, k)[:, :, :S]
-        sink_v = self._v_store[:, :, :S + 1].clone().scatter_(2, index, v)[:, :, :S]
-        return sink_k, sink_v
+        return ring_attention(q, q_positions, keys, values, mask, sinks=self.sinks,
+                              window=self.window, sink_rope=self.sink_rope, scale=scale)
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
              *, scale: float | None = None, check: bool = True) -> torch.Tensor:
@@ -369,8 +318,9 @@ class RingKVCache:
         key_pos = chunk_key_positions(self.positions, positions, self.sinks)
         if not self.sinks:
             return torch.cat([self.k, k_new], dim=2), torch.cat([self.v, v_new], dim=2), key_pos
-        sink_k, sink_v = self._sinks_with(k_new, v_new, positions)
-        S = self.sinks
+        S = self.sinks  # the sink slots as they will be once the chunk's sink tokens are in
+        sink_k = sinks_with_chunk(self._k_store, k_new, positions, S)
+        sink_v = sinks_with_chunk(self._v_store, v_new, positions, S)
         return (torch.cat([sink_k, self.k[:, :, S:], k_new], dim=2),
                 torch.cat([sink_v, self.v[:, :, S:], v_new], dim=2), key_pos)
 
@@ -394,36 +344,11 @@ class RingKVCache:
     def missing_positions(self, lengths: torch.Tensor) -> list[list[int]]:
         """Per row b: positions a query at ``lengths[b]`` needs, ``lengths[b] - W + 1 ..
         lengths[b] - 1``, that the cache does not hold (a host sync; for checks and reports)."""
-        out = []
-        for row, n in zip(self.positions.tolist(), lengths.tolist(), strict=True):
-            held = set(row)
-            out.append([p for p in range(max(0, n - self.window + 1), n) if p not in held])
-        return out
+        return missing_positions(self.positions, lengths, self.window)
 
     def _check_truncate(self, lengths: torch.Tensor) -> None:
-        check_tensor("lengths", lengths, self.device)
-        if lengths.dtype not in (torch.int64, torch.int32) or lengths.shape != (self.batch_size,):
-            raise ValueError(f"lengths must be int64 or int32 of shape (B,) = ({self.batch_size},),"
-                             f" got {lengths.dtype} {tuple(lengths.shape)}")
-        lengths = lengths.to(torch.int64)
-        seen = self._last_pos + 1  # (B,)
-        kept = (self.positions >= 0) & (self.positions < lengths[:, None])  # (B, C)
-        needed = band_mask(lengths[:, None], self.positions, self.window)[:, 0] & kept
-        want = torch.minimum(lengths, torch.full_like(lengths, self.window - 1))
-        bad = (lengths < 0) | (lengths > seen) | (needed.sum(-1) < want)  # (B,)
-        if not bool(bad.any()):
-            return
-        b = int(bad.nonzero()[0, 0])
-        n = int(lengths[b])
-        if n < 0 or n > int(seen[b]):
-            raise ValueError(f"row {b}: cannot truncate to {n} positions; it has seen "
-                             f"{int(seen[b])}")
-        lost = self.missing_positions(lengths)[b]
-        raise ValueError(
-            f"row {b}: truncating to {n} leaves out position(s) {lost}, which the query at {n} "
-            f"needs: later tokens overwrote them (capacity {self.capacity}, window "
-            f"{self.window}: the ring can take back at most {self.capacity - self.window + 1} "
-            f"token(s))")
+        check_truncate(lengths, self.positions, self._last_pos, window=self.window,
+                       capacity=self.capacity)
 
     def __repr__(self) -> str:
         return (f"RingKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
@@ -465,116 +390,3 @@ def chunk_key_positions(stored: torch.Tensor, positions: torch.Tensor, sinks: in
     sink_pos = torch.cat([stored[:, :sinks], scratch], dim=1).scatter_(1, slot, positions)
     return torch.cat([sink_pos[:, :sinks], stored[:, sinks:],
                       positions.masked_fill(positions < sinks, -1)], dim=1)
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
-                     scale: float | None = None, empty: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """SDPA with a boolean ``(B, Tq, Tk)`` mask shared by all heads; GQA by head grouping.
-
-    The ``G = Hq / Hkv`` query heads that share a KV head (HF ``repeat_kv`` order: head ``h``
-    reads KV head ``h // G``). A decode query's G heads are packed into the query dimension, so
-    each KV head is read once by a G-row attention: a free view, measured ~1.7x faster than
-    ``enable_gqa`` on Gemma 3's shapes (CPU). A chunk keeps its heads and ``enable_gqa``: its
-    mask then broadcasts over heads, where packing would copy it G times (measured 1.2x slower
-    at T = 600 on the same shapes).
-    Rows with nothing visible come out as zeros, whatever the SDPA backend returns for them
-    (torch 2.13's CPU kernel gives zeros; older releases' math kernel gave NaN). ``empty``
-    ``(B, Tq)`` names those rows when the caller knows them (padding queries: a real query
-    always sees itself), sparing a reduction over the whole mask in every layer.
-    """
-    B, Hq, T, D = q.shape
-    Hkv = k.shape[1]
-    mask = mask[:, None]  # (B, 1, T, Tk): one mask for every head
-    if T == 1:  # decode: (B, n_kv_heads, G, head_dim), the G heads as G query rows
-        out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), k, v,
-                                             attn_mask=mask, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                             enable_gqa=Hq != Hkv)
-    # (B, 1, T, 1): broadcasts over heads
-    empty = ~mask.any(dim=-1, keepdim=True) if empty is None else empty[:, None, :, None]
-    # in place on SDPA's fresh output (saves a copy per call), unless autograd needs it
-    out = out.masked_fill(empty, 0.0) if out.requires_grad else out.masked_fill_(empty, 0.0)
-    return out.view(B, Hq, T, D)  # (B, Hq, T, head_dim)
-
-
-def check_sink_rope(rope: object, sinks: int, head_dim: int, dtype: torch.dtype,
-                    device: torch.device) -> Rope | None:
-    """Return ``rope`` if it is None or a rotation usable for ``sinks`` sink keys; raise otherwise.
-
-    A callable is probed once on a tiny tensor: it must return ``x``'s shape and dtype, leave
-    position 0 unrotated, and turn position 1 keeping its norm (a rotation), so a wrong function
-    fails here rather than as silently wrong attention later.
-    """
-    if rope is None:
-        return None
-    if not callable(rope):
-        raise TypeError(f"sink_rope must be None or a callable f(x, positions), "
-                        f"got {type(rope).__name__}")
-    if sinks == 0:
-        raise ValueError("sink_rope rotates sink keys: it needs sinks >= 1, got sinks=0")
-    x = torch.linspace(-1.0, 1.0, 2 * head_dim, dtype=dtype, device=device).view(1, 1, 2, head_dim)
-    with torch.no_grad():
-        try:
-            out = rope(x, torch.tensor([[0, 1]], device=device))
-        except Exception as err:  # noqa: BLE001 -- any failure means an unusable rotation
-            raise TypeError(f"sink_rope(x, positions) failed on a (1, 1, 2, {head_dim}) "
-                            f"probe: {err!r}") from err
-        if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != dtype:
-            raise TypeError(f"sink_rope must return a {dtype} tensor of x's shape "
-                            f"{tuple(x.shape)}, got {getattr(out, 'dtype', type(out).__name__)} "
-                            f"{tuple(getattr(out, 'shape', ()))}")
-        tol = {"rtol": 1e-2, "atol": 1e-2}
-        if not torch.allclose(out[:, :, 0], x[:, :, 0], **tol) or not torch.allclose(
-                out[:, :, 1].norm(), x[:, :, 1].norm(), **tol) or torch.allclose(
-                out[:, :, 1], x[:, :, 1], **tol):
-            raise ValueError("sink_rope is not a rotation by position: f(x, 0) must return x, "
-                             "f(x, 1) turn x and keep its norm")
-    return rope
-
-
-def sink_shift(q_positions: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
-    """How far StreamingLLM's convention moves a sink for each query: ``p - min(p, S + W - 1)``.
-
-    StreamingLLM places the query at cache position ``c = min(p, S + W - 1)``; rotating a sink key
-    by ``p - c`` makes an absolutely rotated query score it as from ``c``. Padding (-1) gets 0.
-    """
-    return (q_positions - (sinks + window - 1)).clamp(min=0)
-
-
-def rotate_sinks(sink_k: torch.Tensor, q_positions: torch.Tensor, window: int,
-                 rope: Rope) -> torch.Tensor:
-    """Sink keys ``(B, Hkv, S, D)`` turned by each query's sink_shift: ``(B, Hkv, T, S, D)``.
-
-    ``S`` keys per query, whatever the window: the O(S) cost of StreamingLLM's convention.
-    """
-    B, H, S, D = sink_k.shape
-    T = q_positions.shape[1]
-    shift = sink_shift(q_positions, S, window)  # (B, T)
-    x = sink_k[:, :, None].expand(B, H, T, S, D).reshape(B, H, T * S, D)
-    return rope(x, shift[:, :, None].expand(B, T, S).reshape(B, T * S)).view(B, H, T, S, D)
-
-
-def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                   sink_keys: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
-    """:func:`masked_attention` whose first ``S`` keys are replaced, per query, by ``sink_keys``.
-
-    ``sink_keys`` ``(B, Hkv, T, S, D)`` (from :func:`rotate_sinks`) score the sink columns; the
-    other keys score as usual, and one softmax spans both. Written as matmul + softmax because
-    SDPA takes one key per column for all queries. Scores and softmax run in float32 at least.
-    """
-    B, Hq, T, D = q.shape
-    Hkv, Tk, S = k.shape[1], k.shape[2], sink_keys.shape[3]
-    G = Hq // Hkv
-    q = q * (D ** -0.5 if scale is None else scale)  # scaled once, on T rows, not Tk columns
-    # every column first (a view of the storage, no copy), then the sink columns overwritten
-    scores = torch.matmul(q.reshape(B, Hkv, G * T, D), k.transpose(-1, -2))
-    scores = scores.view(B, Hkv, G, T, Tk)  # HF repeat_kv order: head h reads KV head h // G
-    scores[..., :S] = torch.einsum("bhgtd,bhtsd->bhgts", q.reshape(B, Hkv, G, T, D), sink_keys)
-    seen = mask[:, None, None]  # (B, 1, 1, T, Tk)
-    scores = scores.to(torch.promote_types(q.dtype, torch.float32))
-    weights = scores.masked_fill_(~seen, float("-inf")).softmax(dim=-1)
-    weights = weights.masked_fill_(~seen.any(dim=-1, keepdim=True), 0.0)  # nothing visible: 0
-    out = torch.matmul(weights.to(v.dtype).view(B, Hkv, G * T, Tk), v)  # (B, Hkv, G*T, D)
-    return out.view(B, Hq, T, D)

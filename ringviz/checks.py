@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -73,3 +74,134 @@ def check_kv(k: object, v: object, *, batch_size: int, num_kv_heads: int, head_d
                              f"head_dim={head_dim}), got {tuple(t.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+
+
+def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_dim: int,
+                dtype: torch.dtype, device: torch.device) -> None:
+    """``q`` must be ``(B, Hq, T, head_dim)`` on ``device`` in ``dtype``, ``Hq % Hkv == 0``."""
+    check_tensor("q", q, device)
+    if q.dtype != dtype:
+        raise TypeError(f"q has dtype {q.dtype}, the cache holds {dtype}")
+    if q.ndim != 4 or q.shape[0] != batch_size or q.shape[2] != T or q.shape[3] != head_dim:
+        raise ValueError(f"q must be (B={batch_size}, Hq, T={T}, head_dim={head_dim}), "
+                         f"got {tuple(q.shape)}")
+    if q.shape[1] == 0 or q.shape[1] % num_kv_heads:
+        raise ValueError(f"Hq={q.shape[1]} query heads is not a positive multiple of "
+                         f"n_kv_heads={num_kv_heads}")
+
+
+def check_positions(positions: torch.Tensor, newest: torch.Tensor, T: int) -> None:
+    """New positions ``(B, T)`` that may follow rows whose newest stored positions are ``newest``.
+
+    Integer, of shape ``(len(newest), T)``; per row, every position but padding (-1) after the
+    row's newest and after the ones before it in the chunk. One host sync when valid.
+
+    >>> check_positions(torch.tensor([[3, -1, 5]]), torch.tensor([2]), 3)
+    >>> check_positions(torch.tensor([[2]]), torch.tensor([2]), 1)
+    Traceback (most recent call last):
+    ValueError: row 0: position 2 is not after the row's cached positions (newest 2)
+    """
+    B = newest.shape[0]
+    if positions.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"positions must be int64 or int32, got {positions.dtype}")
+    if positions.shape != (B, T):
+        raise ValueError(f"positions must be (B, T) = {(B, T)}, got {tuple(positions.shape)}")
+    before = newest[:, None]  # (B, 1) newest position stored so far, >= -1
+    if T > 1:  # ... or earlier in this chunk
+        running = torch.cummax(positions.clamp_min(-1), dim=1).values
+        before = torch.cat([before, torch.maximum(running[:, :-1], before)], dim=1)
+    # all but padding must come after `before` (>= -1): this also refuses -2, -3, ...
+    bad = (positions <= before) & (positions != -1)  # (B, T)
+    if not bool(bad.any()):  # the only host sync of a valid call
+        return
+    if bool((positions < -1).any()):
+        raise ValueError("positions must be >= 0, or -1 for padding; got other negatives")
+    b, t = (int(i) for i in bad.nonzero()[0])
+    pos, last = int(positions[b, t]), int(newest[b])
+    if pos <= last:
+        raise ValueError(f"row {b}: position {pos} is not after the row's cached "
+                         f"positions (newest {last})")
+    raise ValueError(f"row {b}: positions must strictly increase, got {pos} after "
+                     f"{int(before.expand_as(positions)[b, t])}")
+
+
+def missing_positions(stored: torch.Tensor, lengths: torch.Tensor, window: int
+                      ) -> list[list[int]]:
+    """Per row b: positions ``lengths[b] - W + 1 .. lengths[b] - 1`` (what a query at
+    ``lengths[b]`` needs) that ``stored`` (B, slots) does not hold. A host sync.
+
+    >>> missing_positions(torch.tensor([[4, 5, 2, 3]]), torch.tensor([3]), window=4)
+    [[0, 1]]
+    """
+    out = []
+    for row, n in zip(stored.tolist(), lengths.tolist(), strict=True):
+        held = set(row)
+        out.append([p for p in range(max(0, n - window + 1), n) if p not in held])
+    return out
+
+
+def check_truncate(lengths: object, stored: torch.Tensor, newest: torch.Tensor, *,
+                   window: int, capacity: int) -> torch.Tensor:
+    """Return ``lengths`` (B,) as int64 if every row b may forget its positions >= lengths[b].
+
+    Row b must have seen ``lengths[b]`` positions and still hold every one a query at
+    ``lengths[b]`` needs; otherwise ValueError names the row and the lost positions.
+    """
+    lengths = check_tensor("lengths", lengths, stored.device)
+    B = stored.shape[0]
+    if lengths.dtype not in (torch.int64, torch.int32) or lengths.shape != (B,):
+        raise ValueError(f"lengths must be int64 or int32 of shape (B,) = ({B},),"
+                         f" got {lengths.dtype} {tuple(lengths.shape)}")
+    lengths = lengths.to(torch.int64)
+    seen = newest + 1  # (B,)
+    # kept keys a query at `lengths` sees: stored, before it, inside its window
+    needed = (stored >= 0) & (stored < lengths[:, None]) & (stored > lengths[:, None] - window)
+    want = torch.minimum(lengths, torch.full_like(lengths, window - 1))
+    bad = (lengths < 0) | (lengths > seen) | (needed.sum(-1) < want)  # (B,)
+    if not bool(bad.any()):
+        return lengths
+    b = int(bad.nonzero()[0, 0])
+    n = int(lengths[b])
+    if n < 0 or n > int(seen[b]):
+        raise ValueError(f"row {b}: cannot truncate to {n} positions; it has seen "
+                         f"{int(seen[b])}")
+    lost = missing_positions(stored, lengths, window)[b]
+    raise ValueError(
+        f"row {b}: truncating to {n} leaves out position(s) {lost}, which the query at {n} "
+        f"needs: later tokens overwrote them (capacity {capacity}, window "
+        f"{window}: the ring can take back at most {capacity - window + 1} token(s))")
+
+
+def check_sink_rope(rope: object, sinks: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> Callable | None:
+    """Return ``rope`` if it is None or a rotation usable for ``sinks`` sink keys; raise otherwise.
+
+    A callable is probed once on a tiny tensor: it must return ``x``'s shape and dtype, leave
+    position 0 unrotated, and turn position 1 keeping its norm (a rotation), so a wrong function
+    fails here rather than as silently wrong attention later.
+    """
+    if rope is None:
+        return None
+    if not callable(rope):
+        raise TypeError(f"sink_rope must be None or a callable f(x, positions), "
+                        f"got {type(rope).__name__}")
+    if sinks == 0:
+        raise ValueError("sink_rope rotates sink keys: it needs sinks >= 1, got sinks=0")
+    x = torch.linspace(-1.0, 1.0, 2 * head_dim, dtype=dtype, device=device).view(1, 1, 2, head_dim)
+    with torch.no_grad():
+        try:
+            out = rope(x, torch.tensor([[0, 1]], device=device))
+        except Exception as err:  # noqa: BLE001 -- any failure means an unusable rotation
+            raise TypeError(f"sink_rope(x, positions) failed on a (1, 1, 2, {head_dim}) "
+                            f"probe: {err!r}") from err
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != dtype:
+            raise TypeError(f"sink_rope must return a {dtype} tensor of x's shape "
+                            f"{tuple(x.shape)}, got {getattr(out, 'dtype', type(out).__name__)} "
+                            f"{tuple(getattr(out, 'shape', ()))}")
+        tol = {"rtol": 1e-2, "atol": 1e-2}
+        if not torch.allclose(out[:, :, 0], x[:, :, 0], **tol) or not torch.allclose(
+                out[:, :, 1].norm(), x[:, :, 1].norm(), **tol) or torch.allclose(
+                out[:, :, 1], x[:, :, 1], **tol):
+            raise ValueError("sink_rope is not a rotation by position: f(x, 0) must return x, "
+                             "f(x, 1) turn x and keep its norm")
+    return rope

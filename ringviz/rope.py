@@ -11,7 +11,11 @@ float32/bfloat16 inputs the rotation is then rounded once, to the input dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # f(x (B, H, T, D), positions (B, T))
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:

@@ -142,7 +142,8 @@ def test_ring_and_copying_window_decode_to_the_same_output(device):
 def test_sink_caches_decode_what_they_claim(device):
     """Absolute sinks: the ring and the concat attend alike. StreamingLLM's scheme: the sinks
     scored from cache position S + W - 1 (the ring turned the sinks back to match)."""
-    from ringviz.cache import RingKVCache, rotate_sinks
+    from ringviz.cache import RingKVCache
+    from ringviz.sinks import rotate_sinks
 
     shape = Shape(batch=1, kv_heads=2, q_heads=4, head_dim=8, dtype=torch.float64,
                   device=device)

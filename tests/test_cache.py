@@ -108,7 +108,7 @@ def test_gqa_head_h_reads_kv_head_h_div_group(device):
 @pytest.mark.parametrize("T", [1, 5])
 def test_masked_attention_empty_rows_given_or_found_agree(device, T):
     """Rows named in ``empty`` come out zero, exactly as when found from the mask; GQA of 3."""
-    from ringviz.cache import masked_attention
+    from ringviz.attention import masked_attention
 
     gen = torch.Generator().manual_seed(0)
     B, Hkv, G, Tk, D = 2, 2, 3, 7, 4

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ringviz import RingKVCache, apply_rope
-from ringviz.cache import sink_shift
+from ringviz.sinks import sink_shift
 
 THETA = 10000.0
 

@@ -11,7 +11,7 @@ Impls (``impl`` field), all in StreamingLLM's convention (sinks scored from cach
 ``min(p, S + W - 1)``) except ``ring_sinks_absolute``:
 
 * ``ring_sinks`` — :class:`ringviz.RingKVCache` with ``sinks=S, sink_rope=apply_rope``: one slot
-  written, the ``S`` sink keys turned by ``p - c`` (:func:`ringviz.cache.rotate_sinks`).
+  written, the ``S`` sink keys turned by ``p - c`` (:func:`ringviz.sinks.rotate_sinks`).
 * ``ring_sinks_absolute`` — the same cache with ``sink_rope=None``: no rotation at all.
 * ``streaming_llm`` — StreamingLLM's reference scheme: unrotated keys, ``cat`` then keep
   ``[sinks | last W]``, and all ``S + W`` keys re-rotated at positions ``0 .. S+W-1`` from a
@@ -29,9 +29,10 @@ import torch.nn.functional as F
 
 from ringviz.bench.cases import Shape, make_inputs
 from ringviz.bench.harness import Case
-from ringviz.cache import RingKVCache, rotate_sinks
+from ringviz.cache import RingKVCache
 from ringviz.masks import band_mask
 from ringviz.rope import apply_rope, rope_angles, rotate_half
+from ringviz.sinks import rotate_sinks
 
 SINK_IMPLS = ("ring_sinks", "ring_sinks_absolute", "streaming_llm", "sink_concat")
 

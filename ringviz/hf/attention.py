@@ -15,7 +15,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from ringviz.cache import masked_attention
+from ringviz.attention import masked_attention
 from ringviz.hf.cache import RingCache
 from ringviz.hf.layers import NOT_THROUGH_GENERATE, RingLayer
 from ringviz.models.drive import attention_implementation

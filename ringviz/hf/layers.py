@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ringviz.cache import RingKVCache, Rope, chunk_key_positions, home_slots
+from ringviz.cache import RingKVCache, chunk_key_positions, home_slots
+from ringviz.rope import Rope
 
 NOT_THROUGH_GENERATE = (
     "a RingCache's masks must come from its stored positions, but this forward used Hugging "

@@ -21,8 +21,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ringviz.cache import Rope
-from ringviz.rope import rotate_half
+from ringviz.rope import Rope, rotate_half
 
 STREAMING_REF_NAME = "ringviz_streaming_llm_reference"
 
