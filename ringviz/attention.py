@@ -74,14 +74,16 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
 
 def ring_attention(q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tensor,
                    values: torch.Tensor, mask: torch.Tensor, *, sinks: int, window: int,
-                   sink_rope: Rope | None, scale: float | None = None) -> torch.Tensor:
+                   sink_rope: Rope | None, scale: float | None = None,
+                   empty: torch.Tensor | None = None) -> torch.Tensor:
     """Masked attention over ``keys`` whose first ``sinks`` are sink slots, in their convention.
 
     ``sink_rope=None``: plain :func:`masked_attention` (every key at its absolute rotation);
     a rotation: :func:`sink_attention` with the sink keys turned per query by
-    :func:`ringviz.sinks.rotate_sinks` (StreamingLLM's positions inside the cache).
+    :func:`ringviz.sinks.rotate_sinks` (StreamingLLM's positions inside the cache). ``empty``
+    ``(B, T)``: the queries known to see nothing (see :func:`masked_attention`).
     """
     if sink_rope is None:
-        return masked_attention(q, keys, values, mask, scale=scale)
+        return masked_attention(q, keys, values, mask, scale=scale, empty=empty)
     sink_keys = rotate_sinks(keys[:, :, :sinks], q_positions, window, sink_rope)
     return sink_attention(q, keys, values, mask, sink_keys, scale=scale)

@@ -1,18 +1,14 @@
 """The batched ring KV cache (torch): fixed storage, one slot write per token, exact attention.
 
-Storage ``k``/``v`` of shape ``(B, n_kv_heads, S + window, head_dim)`` is allocated once and
-only ever written in place, so its address never changes (CUDA-graph friendly) and its size never
-grows. Beside it, ``positions`` ``(B, S + window)`` records the absolute position held by each
-slot (-1 = empty); masks are computed from it, never from slot order. One spare slot per row sits
-just past the window (outside ``k``/``v``/``positions``, which are views): tokens that must not
-be stored (padding, or chunk tokens that a later token of the same chunk overwrites) are written
-there, so a write is a plain scatter that never reads old values back and needs no host sync.
-
-Slots, per row: ``[ S sink slots | W ring slots | spare ]``. With ``sinks=0`` (the default) there
-are no sink slots and position ``pos`` goes to slot ``pos % window``. With ``sinks=S``
-(StreamingLLM's attention sinks) positions ``0 .. S-1`` go to slots ``0 .. S-1`` and are never
-overwritten, every later position to slot ``S + pos % window``; a query at ``p`` sees
-``0 .. S-1`` and ``p-W+1 .. p``. (With ``capacity=C``, below, the ring has C slots instead of W.)
+Storage ``k``/``v`` ``(B, n_kv_heads, S + C, head_dim)`` is allocated once and only ever
+written in place (its address never changes: CUDA-graph friendly); ``positions`` ``(B, S + C)``
+records the absolute position each slot holds (-1 = empty), and masks come from it, never from
+slot order. Slots, per row: ``[ S sink slots | C ring slots | spare ]`` (:mod:`ringviz.slots`):
+position ``pos`` goes to slot ``pos % C``, or with ``sinks=S`` (StreamingLLM's attention sinks)
+positions ``0 .. S-1`` to slots ``0 .. S-1`` for good and the rest to ``S + pos % C``. ``C`` is
+``capacity``, the ring's slots per row: the window ``W`` unless speculative decoding asks for
+spare slots. Tokens that must not be stored (padding, chunk tokens a later token of the same
+chunk overwrites) go to the spare slot, so a write is one scatter with no host sync.
 
 One call, :meth:`RingKVCache.step`, takes a chunk of ``T`` new tokens per row (``T = 1`` is
 decode) and returns their attention output:
@@ -42,8 +38,7 @@ Things to know (by design, not checked):
   ``weights @ values`` with weight 0, and ``0 * NaN`` is NaN. Whether it does depends on the
   chunking (which masked slots share a call). Keep k/v finite.
 
-Speculative decoding (chapter 13) adds two things, both unused by default: ``capacity`` slots
-per row (default ``window``; slot = ``pos % capacity``, masks still use ``window``), and
+Speculative decoding (chapter 13) adds ``capacity > window`` (masks still use ``window``) and
 :meth:`RingKVCache.truncate`, which forgets rejected draft tokens.
 
 >>> import torch
@@ -54,16 +49,6 @@ per row (default ``window``; slot = ``pos % capacity``, masks still use ``window
 tensor([[4, 5, 2, 3]])
 >>> cache.start, cache.kv_seqlens
 (tensor([2]), tensor([4]))
-
-Two sinks beside the same ring: positions 0 and 1 stay in slots 0 and 1 for good, the ring
-after them holds the last four positions in slots ``2 + pos % 4``:
-
->>> from ringviz.rope import apply_rope
->>> cache = RingKVCache(1, 1, window=4, head_dim=2, sinks=2, sink_rope=apply_rope)
->>> x = torch.zeros(1, 1, 9, 2)
->>> _ = cache.step(x, x, x, torch.arange(9)[None])
->>> cache.positions
-tensor([[0, 1, 8, 5, 6, 7]])
 """
 
 from __future__ import annotations
@@ -85,6 +70,7 @@ from ringviz.checks import (
 from ringviz.masks import band_mask
 from ringviz.rope import Rope
 from ringviz.sinks import sinks_with_chunk
+from ringviz.slots import chunk_key_positions, home_slots, step_key_positions
 
 _NEVER = torch.iinfo(torch.int64).max  # a position no key reaches
 
@@ -113,11 +99,7 @@ class RingKVCache:
         self.window, self.head_dim = window, head_dim
         # ring slots per row: the window, plus any spare slots that rejected drafts may overwrite
         self.capacity = window if capacity is None else check_int("capacity", capacity, window)
-        # Slots [0, S) hold the sinks, [S, S + capacity) the ring. Slot S + capacity is a spare,
-        # outside the views below: padding tokens and chunk tokens that a later token of the
-        # same chunk overwrites are written there, so a write never has to read old values back
-        # and is one scatter per tensor.
-        n = self.sinks + self.capacity
+        n = self.sinks + self.capacity  # [sinks | ring]; slot n, outside the views, the spare
         self._spare = n
         store = (batch_size, num_kv_heads, n + 1, head_dim)
         self._k_store = torch.zeros(store, dtype=dtype, device=device)
@@ -192,9 +174,10 @@ class RingKVCache:
         check_positions(check_tensor("positions", positions, self.device), self._last_pos,
                         k.shape[2])
 
-    def _check_q(self, q: torch.Tensor, T: int) -> None:
+    def _check_q(self, q: torch.Tensor, T: int, q_positions: object = None) -> None:
         check_query(q, T, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+                    head_dim=self.head_dim, dtype=self.dtype, device=self.device,
+                    q_positions=q_positions)
 
     def check_positions(self, positions: torch.Tensor) -> None:
         """Raise if ``positions`` (B, T) could not be written next, writing nothing."""
@@ -252,12 +235,7 @@ class RingKVCache:
                scale: float | None = None) -> torch.Tensor:
         """Attention of ``q`` (B, Hq, T, D) over the ring as it is now, masked by positions."""
         scale = check_scale(scale)
-        if not isinstance(q_positions, torch.Tensor):
-            raise TypeError(f"q_positions must be a torch.Tensor, got {type(q_positions).__name__}")
-        self._check_q(q, q.shape[2] if q.ndim == 4 else -1)
-        if q_positions.shape != (self.batch_size, q.shape[2]) or q_positions.is_floating_point():
-            raise ValueError(f"q_positions must be integer (B, T) = {(self.batch_size, q.shape[2])}"
-                             f", got {q_positions.dtype} {tuple(q_positions.shape)}")
+        self._check_q(q, q.shape[2] if q.ndim == 4 else -1, q_positions)
         q_positions = q_positions.to(torch.int64)
         mask = self._mask(q_positions, self.positions)  # (B, T, S + W)
         return self.attend_keys(q, q_positions, self.k, self.v, mask, scale)
@@ -268,14 +246,18 @@ class RingKVCache:
         """Masked attention over ``keys`` whose first ``S`` are the sink slots, in this cache's
         sink convention (the storage, or :meth:`keys_with_chunk`'s keys; ringviz.hf calls it)."""
         return ring_attention(q, q_positions, keys, values, mask, sinks=self.sinks,
-                              window=self.window, sink_rope=self.sink_rope, scale=scale)
+                              window=self.window, sink_rope=self.sink_rope, scale=scale,
+                              empty=q_positions < 0)  # a real query always sees itself
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-             *, scale: float | None = None, check: bool = True) -> torch.Tensor:
+             *, scale: float | None = None, check: bool = True,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attend ``T`` new tokens per row to their windows and store them: ``(B, Hq, T, D)``.
 
         ``check=False`` skips the tensor checks (and their one host sync) for a trusted loop;
-        ``scale`` is checked either way (plain Python, no sync).
+        ``scale`` is checked either way (plain Python, no sync). ``mask`` ``(B, T, K)``, trusted,
+        is the visibility of :meth:`key_positions` ``(positions)`` when the caller has built it
+        once for many layers (``ringviz.hf``'s forward plan); by default the step builds it.
         """
         if check:
             self.check_step(q, k, v, positions, scale=scale)
@@ -284,14 +266,15 @@ class RingKVCache:
         positions = positions.to(torch.int64)
         if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
             self.write(k, v, positions, check=False)
-            mask = self._decode_mask(positions)  # (B, 1, S + C)
+            mask = self._decode_mask(positions) if mask is None else mask  # (B, 1, S + C)
             return self.attend_keys(q, positions, self.k, self.v, mask, scale)
-        out = self.attend_chunk(q, k, v, positions, scale=scale)
+        out = self.attend_chunk(q, k, v, positions, scale=scale, mask=mask)
         self.write(k, v, positions, check=False)
         return out
 
     def attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     positions: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+                     positions: torch.Tensor, *, scale: float | None = None,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of a chunk's queries over ``[ring | chunk]``, writing nothing.
 
         The first half of :meth:`step` for ``T > 1`` (``step`` then writes the chunk), and on
@@ -300,7 +283,7 @@ class RingKVCache:
         """
         positions = positions.to(torch.int64)
         keys, values, key_pos = self.keys_with_chunk(k, v, positions)
-        mask = self._mask(positions, key_pos)  # (B, T, S + C + T)
+        mask = self._mask(positions, key_pos) if mask is None else mask  # (B, T, K)
         return self.attend_keys(q, positions, keys, values, mask, check_scale(scale))
 
     def keys_with_chunk(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor
@@ -310,12 +293,19 @@ class RingKVCache:
         ``[ring | chunk]``: the storage as it is, then the chunk's own tokens, padding zeroed
         (it is masked out, but ``0 * NaN`` is NaN). With sinks, the chunk's sink tokens take
         the sink columns and are masked in the chunk part, so none is scored twice. Shapes
-        ``(B, Hkv, S + C + T, D)`` twice and ``(B, S + C + T)``.
+        ``(B, Hkv, S + C + T, D)`` twice and ``(B, S + C + T)``; into an empty ring without
+        sinks, just the chunk (``T`` keys: the ring's would all be masked). The positions are
+        :func:`step_key_positions`'.
         """
         positions = positions.to(torch.int64)
         pad = (positions < 0)[:, None, :, None]  # (B, 1, T, 1)
         k_new, v_new = k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)
-        key_pos = chunk_key_positions(self.positions, positions, self.sinks)
+        if positions.shape[1] > 1:  # as step attends: maybe the chunk alone
+            key_pos = self.key_positions(positions)
+        else:  # a verify of one token (speculative decoding): [ring | token], nothing written
+            key_pos = chunk_key_positions(self.positions, positions, self.sinks)
+        if key_pos.shape[1] == positions.shape[1]:  # the chunk alone
+            return k_new, v_new, key_pos
         if not self.sinks:
             return torch.cat([self.k, k_new], dim=2), torch.cat([self.v, v_new], dim=2), key_pos
         S = self.sinks  # the sink slots as they will be once the chunk's sink tokens are in
@@ -323,6 +313,11 @@ class RingKVCache:
         sink_v = sinks_with_chunk(self._v_store, v_new, positions, S)
         return (torch.cat([sink_k, self.k[:, :, S:], k_new], dim=2),
                 torch.cat([sink_v, self.v[:, :, S:], v_new], dim=2), key_pos)
+
+    def key_positions(self, q_positions: torch.Tensor) -> torch.Tensor:
+        """``(B, K)`` positions of the keys :meth:`step` attends over for these queries: the
+        slots once a decode token is written, ``[sinks | ring | chunk]`` before a chunk is."""
+        return step_key_positions(self.positions, q_positions, self.sinks, self.capacity)
 
     # ------------------------------------------------------------------ taking tokens back
     def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:
@@ -356,37 +351,3 @@ class RingKVCache:
                 f"sinks={self.sinks}, "
                 f"sink_rope={getattr(self.sink_rope, '__name__', self.sink_rope)}, "
                 f"dtype={self.dtype}, device={self.device})")
-
-
-def home_slots(positions: torch.Tensor, sinks: int, capacity: int) -> torch.Tensor:
-    """The slot position ``pos`` is stored in: a sink's own slot ``pos`` if ``pos < sinks``,
-    else ``sinks + pos % capacity`` (``pos % capacity`` without sinks).
-
-    >>> home_slots(torch.tensor([0, 1, 5, 9]), sinks=2, capacity=4).tolist()
-    [0, 1, 3, 3]
-    """
-    if not sinks:
-        return positions % capacity
-    return torch.where(positions < sinks, positions, sinks + positions % capacity)
-
-
-def chunk_key_positions(stored: torch.Tensor, positions: torch.Tensor, sinks: int
-                        ) -> torch.Tensor:
-    """Positions ``(B, S + C + T)`` of :meth:`RingKVCache.keys_with_chunk`'s keys.
-
-    ``stored`` ``(B, S + C)`` is what the slots hold, ``positions`` ``(B, T)`` the chunk's. With
-    sinks, the chunk's sink tokens take their sink columns and read -1 in the chunk part. A
-    function of positions alone, so a mask can be built before the ring's storage exists.
-
-    >>> chunk_key_positions(torch.full((1, 4), -1), torch.tensor([[0, 1, 2]]), sinks=1).tolist()
-    [[0, -1, -1, -1, -1, 1, 2]]
-    """
-    positions = positions.to(torch.int64)
-    if not sinks:
-        return torch.cat([stored, positions], dim=1)
-    B = stored.shape[0]
-    slot = torch.where((positions >= 0) & (positions < sinks), positions, sinks)  # sinks: scratch
-    scratch = torch.full((B, 1), -1, dtype=torch.int64, device=stored.device)
-    sink_pos = torch.cat([stored[:, :sinks], scratch], dim=1).scatter_(1, slot, positions)
-    return torch.cat([sink_pos[:, :sinks], stored[:, sinks:],
-                      positions.masked_fill(positions < sinks, -1)], dim=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -77,8 +78,9 @@ def check_kv(k: object, v: object, *, batch_size: int, num_kv_heads: int, head_d
 
 
 def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype, device: torch.device) -> None:
-    """``q`` must be ``(B, Hq, T, head_dim)`` on ``device`` in ``dtype``, ``Hq % Hkv == 0``."""
+                dtype: torch.dtype, device: torch.device, q_positions: object = None) -> None:
+    """``q`` must be ``(B, Hq, T, head_dim)`` on ``device`` in ``dtype``, ``Hq % Hkv == 0``;
+    ``q_positions``, when given, an integer tensor ``(B, T)``."""
     check_tensor("q", q, device)
     if q.dtype != dtype:
         raise TypeError(f"q has dtype {q.dtype}, the cache holds {dtype}")
@@ -88,6 +90,13 @@ def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_d
     if q.shape[1] == 0 or q.shape[1] % num_kv_heads:
         raise ValueError(f"Hq={q.shape[1]} query heads is not a positive multiple of "
                          f"n_kv_heads={num_kv_heads}")
+    if q_positions is None:
+        return
+    if not isinstance(q_positions, torch.Tensor):
+        raise TypeError(f"q_positions must be a torch.Tensor, got {type(q_positions).__name__}")
+    if q_positions.shape != (batch_size, T) or q_positions.is_floating_point():
+        raise ValueError(f"q_positions must be integer (B, T) = {(batch_size, T)}, got "
+                         f"{q_positions.dtype} {tuple(q_positions.shape)}")
 
 
 def check_positions(positions: torch.Tensor, newest: torch.Tensor, T: int) -> None:
@@ -205,3 +214,42 @@ def check_sink_rope(rope: object, sinks: int, head_dim: int, dtype: torch.dtype,
             raise ValueError("sink_rope is not a rotation by position: f(x, 0) must return x, "
                              "f(x, 1) turn x and keep its norm")
     return rope
+
+
+SINK_CONVENTIONS = ("absolute", "cache")  # how sink keys are scored: their own positions, or
+# StreamingLLM's positions inside the cache (``RingKVCache``'s ``sink_rope`` is the rotation)
+
+
+def check_sinks(sinks: object, sink_convention: object) -> int:
+    """``sinks`` as an int if ``(sinks, sink_convention)`` is a valid choice; raise otherwise.
+
+    What ``RingRunner``, ``ringviz.hf.RingCache`` and ``generate`` accept: ``sinks`` an int >= 0,
+    ``sink_convention`` one of :data:`SINK_CONVENTIONS`, ``"cache"`` only with ``sinks >= 1``.
+
+    >>> check_sinks(2, "cache")
+    2
+    >>> check_sinks(0, "cache")
+    Traceback (most recent call last):
+    ValueError: sink_convention='cache' turns sink keys: it needs sinks >= 1
+    """
+    sinks = check_int("sinks", sinks, minimum=0)
+    if sink_convention not in SINK_CONVENTIONS:
+        raise ValueError(f"sink_convention must be one of {SINK_CONVENTIONS}, got "
+                         f"{sink_convention!r}")
+    if sink_convention == "cache" and sinks == 0:
+        raise ValueError("sink_convention='cache' turns sink keys: it needs sinks >= 1")
+    return sinks
+
+
+def sink_convention_from(sink_convention: str, sink_rope: object) -> str:
+    """``sink_convention``, or what the deprecated ``sink_rope=None | "cache"`` said instead."""
+    if sink_rope is None:
+        return sink_convention
+    if sink_rope != "cache":
+        raise ValueError(f"sink_rope (deprecated) must be None or 'cache', got {sink_rope!r}")
+    if sink_convention != "absolute":
+        raise ValueError("pass sink_convention, or the deprecated sink_rope, not both")
+    warnings.warn("sink_rope='cache' is deprecated here: pass sink_convention='cache' (in the "
+                  "core, RingKVCache's sink_rope is the rotation itself)", DeprecationWarning,
+                  stacklevel=3)
+    return "cache"

@@ -1,4 +1,4 @@
-"""The command line: `python -m ringviz {demo,equivalence,perplexity,streaming,bench} ...`.
+"""The command line: `python -m ringviz {demo,equivalence,perplexity,streaming,bench,conform} ...`.
 
 Each subcommand parses its flags here and calls one function of the package that returns a
 plain dict; `--json` prints that dict as the last line of output (progress goes to stderr).
@@ -94,6 +94,34 @@ def _cmd_bench(args: argparse.Namespace) -> dict:
                      generate_reps=args.generate_reps)
 
 
+def _cmd_conform(args: argparse.Namespace) -> dict:
+    from ringviz.conformance.peers import PEERS, get, run
+
+    if args.list:
+        caches = [{"name": p.name, "what": p.what, "version": p.version(),
+                   "sinks": p.sinks, "ragged": p.ragged, "expect": p.expect or "pass"}
+                  for p in PEERS.values()]
+        if not args.json:
+            width = max(len(c["name"]) for c in caches)
+            for c in caches:
+                tag = f"(pitfall: breaks {c['expect']})" if c["expect"] != "pass" else c["version"]
+                print(f"{c['name']:<{width}}  {c['what']}  [{tag}]")
+        return {"caches": caches}
+    if args.cache is None:
+        raise ValueError("conform needs --cache NAME (or --list)")
+    get(args.cache)  # unknown names fail before the progress bar
+    from tqdm import tqdm
+
+    with tqdm(total=args.examples, desc=f"conform {args.cache}", unit="schedule",
+              file=sys.stderr, delay=1.0, leave=False) as bar:
+        report = run(args.cache, window=args.window, sinks=args.sinks, examples=args.examples,
+                     seed=args.seed, max_chunk=args.max_chunk,
+                     progress=lambda n: bar.update(n - bar.n))
+    if not args.json:
+        print(report)
+    return {"cache": args.cache, "version": get(args.cache).version(), **report.to_dict()}
+
+
 def _cases(text: str) -> list[tuple[int, int]]:
     """``"1x96,8x2048"`` -> ``[(1, 96), (8, 2048)]`` (batch x new tokens)."""
     try:
@@ -161,15 +189,32 @@ def build_parser() -> argparse.ArgumentParser:
                        help="one part alone: 'decode_step' (ring step vs attention alone), "
                             "'sinks' (sinks_update, sinks_decode), 'generate' "
                             "(Gemma-3-270M generate(), ringviz.hf vs HF's caches), 'compiled' "
-                            "(SmolLM2 ring generate, eager vs inductor) or 'generate_memory' "
-                            "(SmolLM2 RSS after 20 and 2,000 tokens, ring vs HF default)")
+                            "(SmolLM2 ring generate, eager vs inductor), 'generate_memory' "
+                            "(SmolLM2 RSS after 20 and 2,000 tokens, ring vs HF default) or "
+                            "'conform' (seconds of conformance.check(examples=100), W=6)")
     bench.add_argument("--generate-cases", type=_cases, default=None,
                        help="generate() cases, BATCHxNEW,... (default 1x96,8x2048)")
     bench.add_argument("--generate-reps", type=_positive_int, default=None,
                        help="repetitions of each generate() case (default 3)")
     bench.set_defaults(func=_cmd_bench)
 
-    for p in (demo, eq, ppl, stream, bench):
+    conform = sub.add_parser(
+        "conform", help="check a sliding-window cache against the window contract (exit 1 if "
+                        "it breaks it)")
+    conform.add_argument("--cache", default=None, help="a name from --list")
+    conform.add_argument("--list", action="store_true", help="list the caches it knows")
+    conform.add_argument("--window", type=_positive_int, default=6, help="sliding window W")
+    conform.add_argument("--sinks", type=_non_negative_int, default=None,
+                         help="attention sinks S (default: the cache's own, 2 where it keeps "
+                              "sinks, else 0)")
+    conform.add_argument("--examples", type=_positive_int, default=100,
+                         help="schedules hypothesis draws (shrinking runs more)")
+    conform.add_argument("--seed", type=_non_negative_int, default=0)
+    conform.add_argument("--max-chunk", type=_positive_int, default=None,
+                         help="largest chunk in a schedule (1: decode steps only)")
+    conform.set_defaults(func=_cmd_conform)
+
+    for p in (demo, eq, ppl, stream, bench, conform):
         p.add_argument("--json", action="store_true",
                        help="print one JSON object as the last line of output")
     return parser
@@ -185,8 +230,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if args.json:
         print(json.dumps(result, default=str))
-    elif args.command != "demo":
+    elif args.command not in ("demo", "conform"):
         print_human(result)
+    if args.command == "conform" and result.get("ok") is False:
+        return 1  # the cache broke the window contract
     return 0
 
 

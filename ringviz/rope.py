@@ -35,6 +35,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The RoPE rotation ``x cos + rotate_half(x) sin`` (HF's layout); ``-sin`` undoes it."""
+    return x * cos + rotate_half(x) * sin
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     """Rotate ``x`` (B, H, T, D) by the absolute ``positions`` (B, T); returns a new tensor.
 
@@ -55,7 +60,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     cos, sin = emb.cos().to(work), emb.sin().to(work)
     xw = x.to(work)
-    return (xw * cos + rotate_half(xw) * sin).to(x.dtype)
+    return rotate(xw, cos, sin).to(x.dtype)
 
 
 def float32_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:

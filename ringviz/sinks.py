@@ -19,6 +19,16 @@ rows it applies the same rule, ``c = min(p, S + W - 1)``, to their absolute posi
 
 >>> sink_shift(torch.tensor([[3, 5, 6, 20]]), sinks=2, window=4)  # rotation of the sink keys
 tensor([[ 0,  0,  1, 15]])
+
+Two sinks beside the same ring: positions 0 and 1 stay in slots 0 and 1 for good, the ring
+after them holds the last four positions in slots ``2 + pos % 4``:
+
+>>> from ringviz import RingKVCache, apply_rope
+>>> cache = RingKVCache(1, 1, window=4, head_dim=2, sinks=2, sink_rope=apply_rope)
+>>> x = torch.zeros(1, 1, 9, 2)
+>>> _ = cache.step(x, x, x, torch.arange(9)[None])
+>>> cache.positions
+tensor([[0, 1, 8, 5, 6, 7]])
 """
 
 from __future__ import annotations

@@ -377,11 +377,11 @@ def trace_scenario(scenario: Scenario, *, device: torch.device | str | None = No
                  frames=frames)
 
 
-def trace_ring(window: int, tokens: int, *, head_dim: int = 8, theta: float = 10000.0) -> Trace:
+def trace_ring(window: int, tokens: int) -> Trace:
     """Push ``tokens`` tokens one by one into the teaching :class:`RingKV` and record each state."""
     check_int("tokens", tokens, 1)
-    scenario = Scenario(window=window, prompt=tokens, decode_steps=0, head_dim=head_dim,
-                        theta=theta)
+    scenario = Scenario(window=window, prompt=tokens, decode_steps=0)
+    head_dim = scenario.head_dim
     rng = np.random.default_rng(42)
     ring = RingKV(window, head_dim)
     empty = ring.positions[None].copy()

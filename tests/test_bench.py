@@ -32,7 +32,8 @@ TINY = BenchConfig(update_windows=(8, 32), decode_windows=(8, 16), batch=2, kv_h
                    memory_window=16, memory_steps=200, memory_growing_steps=50, model=False,
                    sink_windows=(8, 32), sinks=2, sink_kv_heads=2, sink_q_heads=4,
                    sink_head_dim=8, generate=False, compiled=False, generate_memory=False,
-                   decode_batches=(1, 2))
+                   decode_batches=(1, 2), conform_caches=("ringviz_ring", "off_by_one"),
+                   conform_window=4, conform_examples=5, conform_reps=2)
 ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads": int,
               "head_dim": int, "dtype": str, "device": str, "median_us": float,
               "p10_us": float, "p90_us": float, "reps": int}
@@ -41,7 +42,14 @@ ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads"
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     plot_dir = tmp_path_factory.mktemp("plots")
-    return run(TINY, device="cpu", plot_dir=plot_dir)
+    before = torch.get_num_threads()
+    torch.set_num_threads(TINY.threads + 1)  # a count the run must change, then give back
+    try:
+        out = run(TINY, device="cpu", plot_dir=plot_dir)
+        out["threads_after"] = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    return out
 
 
 def test_every_row_is_present_and_typed(tiny_run):
@@ -59,14 +67,16 @@ def test_every_row_is_present_and_typed(tiny_run):
         for name, kind in ROW_FIELDS.items():
             assert isinstance(row[name], kind), (name, row)
         assert 0 < row["p10_us"] <= row["median_us"] <= row["p90_us"], row
-        assert row["device"] == "cpu" and row["dtype"] == "float32"
+        # conformance checks run in the kit's float64 (TINY's two caches are ringviz's)
+        assert row["device"] == "cpu"
+        assert row["dtype"] == ("float64" if row["bench"] == "conform" else "float32")
 
 
 def test_run_records_the_machine_and_restores_threads(tiny_run):
     machine = tiny_run["machine"]
     assert machine["torch_threads"] == TINY.threads
     assert machine["torch"] == torch.__version__ and machine["date_utc"].endswith("Z")
-    assert torch.get_num_threads() >= 1
+    assert tiny_run["threads_after"] == TINY.threads + 1  # what it was before the run
 
 
 def test_ring_memory_is_constant_and_growing_memory_is_linear(tiny_run):
@@ -187,9 +197,21 @@ def test_only_keeps_one_part(part):
     config = only(FULL, part)
     kept = {"decode_step": bool(config.decode_windows), "sinks": bool(config.sink_windows),
             "generate": config.generate,
-            "compiled": config.compiled, "generate_memory": config.generate_memory}
+            "compiled": config.compiled, "generate_memory": config.generate_memory,
+            "conform": bool(config.conform_caches)}
     assert kept == {p: p == part for p in PARTS}
     assert not (config.update_windows or config.memory or config.model)
+
+
+def test_conform_rows_time_whole_checks(tiny_run):
+    rows = [r for r in tiny_run["rows"] if r["bench"] == "conform"]
+    assert [(r["impl"], r["ok"], r["reps"]) for r in rows] == [
+        ("ringviz_ring", True, 2), ("off_by_one", False, 2)]
+    ring = rows[0]
+    assert ring["examples"] == 5 and ring["window"] == 4 and ring["ragged"]
+    assert ring["p10_us"] <= ring["median_us"] <= ring["p90_us"]
+    assert tiny_run["figures"]["conform_slowest_check_s"] == max(
+        r["median_us"] for r in rows) / 1e6
 
 
 def test_compiled_and_memory_figures_divide_the_right_rows():
@@ -290,7 +312,7 @@ def test_bad_arguments_raise():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_cuda_graph_replays_equal_eager_steps():
     """Every replay's output and the ring's whole state equal eager steps fed the same tokens,
-    over 3 wraps of the ring; the bench's replay callable runs too."""
+    over 3 wraps of the ring; the bench's case is that captured graph's replay."""
     W = 8
     shape = Shape(2, 2, 4, 8, torch.float32, torch.device("cuda"))
     pre, tok = make_inputs(shape, window=W)
@@ -313,9 +335,7 @@ def test_cuda_graph_replays_equal_eager_steps():
     for name in ("_k_store", "_v_store", "_pos_store", "_last_pos"):
         assert torch.equal(getattr(graph_ring, name), getattr(eager_ring, name)), name
     replay = ring_graph_step(shape, W, pre, tok)
-    for _ in range(2 * W):
-        replay()
-    torch.cuda.synchronize()
+    assert isinstance(replay.__self__, torch.cuda.CUDAGraph)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from ringviz.cli import build_parser, main
 def test_help_lists_every_subcommand():
     out = subprocess.run([sys.executable, "-m", "ringviz", "--help"], capture_output=True,
                          text=True, check=True).stdout
-    for command in ("demo", "equivalence", "perplexity", "streaming", "bench"):
+    for command in ("demo", "equivalence", "perplexity", "streaming", "bench", "conform"):
         assert command in out
 
 
@@ -65,3 +65,27 @@ def test_bench_generate_cases_parse_and_reject():
     args = build_parser().parse_args(["bench", "--only", "generate", "--generate-cases", "8x512",
                                       "--generate-reps", "2"])
     assert (args.only, args.generate_cases, args.generate_reps) == ("generate", [(8, 512)], 2)
+
+
+def test_conform_list_and_exit_status(capsys):
+    assert main(["conform", "--list", "--json"]) == 0
+    caches = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["caches"]
+    names = {c["name"]: c for c in caches}
+    assert {"ringviz_ring", "hf_dynamic_sliding", "mlx_rotating", "off_by_one"} <= set(names)
+    assert names["off_by_one"]["expect"] == "window" and names["ringviz_ring"]["expect"] == "pass"
+    assert main(["conform", "--cache", "ringviz_ring", "--window", "4", "--examples", "5",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ok"] and result["examples"] == 5 and result["sinks"] == 2
+    assert main(["conform", "--cache", "off_by_one", "--window", "4", "--examples", "20"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL off_by_one") and "chunks [4]" in out
+
+
+def test_conform_rejects_unknown_cache_and_sinks_it_cannot_keep(capsys):
+    assert main(["conform", "--cache", "nope"]) == 2
+    assert "unknown cache 'nope'" in capsys.readouterr().err
+    assert main(["conform", "--cache", "hf_dynamic_sliding", "--sinks", "1"]) == 2
+    assert "keeps no attention sinks" in capsys.readouterr().err
+    assert main(["conform"]) == 2
+    assert "--cache" in capsys.readouterr().err

@@ -9,68 +9,28 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
+from tiny_models import (  # noqa: E402
+    Collect,
+    prompt,
+    run,
+    tiny_gemma,
+    tiny_llama,
+    tiny_mistral,
+    tiny_qwen2,
+    tiny_qwen2_full,
+)
+
+from ringviz import attention as core_attention  # noqa: E402
 from ringviz import hf  # noqa: E402
 from ringviz.hf import attention  # noqa: E402
 from ringviz.models.reference import reference_logits  # noqa: E402
 
-VOCAB = 97
 F64 = 1e-7  # float64: the ring path and HF's share every module but attention
 F32 = 1e-4  # float32 noise on these tiny models
 
 
-def _finish(model, dtype):
-    return model.to(dtype=dtype).eval()
-
-
-def tiny_llama(dtype=torch.float64):
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=4096,
-        attn_implementation="sdpa")
-    return _finish(transformers.LlamaForCausalLM(config), dtype)
-
-
-def tiny_gemma(dtype=torch.float64, window=6):
-    config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=window,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        query_pre_attn_scalar=16, max_position_embeddings=4096, attn_implementation="sdpa")
-    return _finish(transformers.Gemma3ForCausalLM(config), dtype)
-
-
-def tiny_mistral(dtype=torch.float64, window=5):
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=window,
-        max_position_embeddings=4096, attn_implementation="sdpa")
-    return _finish(transformers.MistralForCausalLM(config), dtype)
-
-
-def tiny_qwen2(dtype=torch.float64, window=5, sliding=True):
-    """Layer 0 full attention, layers 1-2 sliding; ``sliding=False``: all full, no window."""
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, use_sliding_window=sliding,
-        sliding_window=window, max_window_layers=1, max_position_embeddings=4096,
-        attn_implementation="sdpa")
-    return _finish(transformers.Qwen2ForCausalLM(config), dtype)
-
-
 NATIVE = {"gemma3": tiny_gemma, "mistral": tiny_mistral, "qwen2": tiny_qwen2}
-
-
-def prompt(n: int, batch: int = 1, seed: int = 0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
-
-
-def run(fn, model, ids, **kwargs):
-    """Greedy (unless kwargs say otherwise) with scores, through ``fn`` (HF or ringviz)."""
-    kwargs = {"do_sample": False, "output_scores": True, "return_dict_in_generate": True,
-              "pad_token_id": 0, **kwargs}
-    return fn(model, ids, **kwargs) if fn is hf.generate else model.generate(ids, **kwargs)
 
 
 def max_score_diff(a, b) -> float:
@@ -83,16 +43,12 @@ def max_score_diff(a, b) -> float:
     return worst
 
 
-def ring_bytes(cache: hf.RingCache) -> int:
-    return sum(layer.nbytes for layer in cache.layers if isinstance(layer, hf.RingLayer))
-
-
 # ------------------------------------------------------------------------- equivalence
 @pytest.mark.parametrize("name", sorted(NATIVE))
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, F64), (torch.float32, F32)])
 def test_native_window_matches_hf_generate(name, dtype, tol):
     """Prompt > W, chunked prefill (chunks < and > W), max_new_tokens = 8 W."""
-    model = NATIVE[name](dtype)
+    model = NATIVE[name](dtype=dtype)
     W = model.config.sliding_window
     ids = prompt(3 * W + 2)
     ref = run(None, model, ids, max_new_tokens=8 * W)
@@ -100,10 +56,6 @@ def test_native_window_matches_hf_generate(name, dtype, tol):
         out = run(hf.generate, model, ids, max_new_tokens=8 * W, prefill_chunk_size=chunk)
         assert torch.equal(out.sequences, ref.sequences)
         assert max_score_diff(out, ref) < tol
-
-
-def tiny_qwen2_full(dtype=torch.float64):
-    return tiny_qwen2(dtype, sliding=False)
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma, tiny_qwen2_full])
@@ -121,7 +73,7 @@ def test_imposed_window_matches_band_mask_recompute(make):
 
 
 def test_sampling_same_seed_same_tokens():
-    model = tiny_gemma(torch.float32)
+    model = tiny_gemma(dtype=torch.float32)
     ids = prompt(9)
     kwargs = {"do_sample": True, "top_k": 20, "temperature": 0.9, "max_new_tokens": 30}
     torch.manual_seed(7)
@@ -160,24 +112,6 @@ def test_left_padded_imposed_window_rows_match_their_own_references():
         assert (scores[b] - ref[10 - start - 1:-1]).abs().max() < F64
 
 
-class Collect(BaseStreamer):
-    """A streamer that keeps what generate hands it, and can fail on demand."""
-
-    def __init__(self, cache=None, fail_at: int | None = None) -> None:
-        self.tokens, self.ended, self.cache, self.fail_at = [], False, cache, fail_at
-        self.ring_bytes: dict[int, int] = {}
-
-    def put(self, value):
-        self.tokens.append(value.reshape(-1).clone())
-        if self.cache is not None:
-            self.ring_bytes[int(self.cache.get_seq_length())] = ring_bytes(self.cache)
-        if self.fail_at is not None and len(self.tokens) == self.fail_at:
-            raise KeyboardInterrupt("stop")
-
-    def end(self):
-        self.ended = True
-
-
 def test_streamer_sees_every_token():
     model = tiny_mistral()
     ids = prompt(12)
@@ -190,13 +124,13 @@ def test_streamer_sees_every_token():
 def test_chunked_prefill_bounds_attention_size(monkeypatch):
     """A 60-token prompt in chunks of 7 through rings of 5: no attention over more than 12 keys."""
     seen = []
-    real = attention.masked_attention
+    real = core_attention.masked_attention
 
     def spy(q, k, v, mask, **kwargs):
         seen.append((q.shape[2], k.shape[2]))
         return real(q, k, v, mask, **kwargs)
 
-    monkeypatch.setattr(attention, "masked_attention", spy)
+    monkeypatch.setattr(core_attention, "masked_attention", spy)  # every ring layer's attention
     model = tiny_llama()
     hf.generate(model, prompt(60), window=5, max_new_tokens=3, do_sample=False,
                 prefill_chunk_size=7)
@@ -220,7 +154,7 @@ def test_masks_are_built_once_per_forward_per_layer_kind(monkeypatch):
 
 # ------------------------------------------------------------------------- memory
 def test_ring_bytes_flat_from_20_to_2000_tokens():
-    model = tiny_gemma(torch.float32)
+    model = tiny_gemma(dtype=torch.float32)
     cache = hf.RingCache(model)
     streamer = Collect(cache)
     hf.generate(model, prompt(10), cache=cache, max_new_tokens=2000, do_sample=False,
@@ -228,22 +162,25 @@ def test_ring_bytes_flat_from_20_to_2000_tokens():
     assert cache.get_seq_length() == 10 + 2000 - 1  # the last token is never fed back
     assert streamer.ring_bytes[20] == streamer.ring_bytes[2000 + 9] > 0
     full = [layer for layer in cache.layers if isinstance(layer, hf.FullLayer)]
-    assert full[0].capacity == 10 + 2000  # reserved once by generate, never regrown
+    assert full[0].allocated == 10 + 2000  # reserved once by generate, never regrown
 
 
 def test_full_layer_grows_geometrically_without_a_reserve():
     layer = hf.FullLayer()
     k = torch.zeros(1, 1, 1, 2)
-    capacities = set()
+    allocated = set()
     for p in range(100):
-        keys, _ = layer.update(k + p, k, positions=torch.tensor([[p]]))
-        capacities.add(layer.capacity)
-    assert keys.shape[2] == 100 and keys[0, 0, :, 0].tolist() == list(range(100))
-    assert capacities == {1, 2, 4, 8, 16, 32, 64, 128}
+        pos = torch.tensor([[p]])
+        layer.update(k + p, k)
+        out = layer.step(k + 1, k + p, k + p, pos, layer.mask(pos), scale=1.0)
+        allocated.add(layer.allocated)
+    assert layer.seen == 100 and layer.keys[0, 0, :100, 0].tolist() == list(range(100))
+    assert allocated == {1, 2, 4, 8, 16, 32, 64, 128}
+    assert 0 < float(out.max()) < 99  # the last query averaged over every stored value
 
 
 def test_nbytes_counts_every_layer():
-    model = tiny_gemma(torch.float32)
+    model = tiny_gemma(dtype=torch.float32)
     cache = hf.RingCache(model)
     assert cache.nbytes == 0  # nothing allocated before the first forward
     hf.generate(model, prompt(10), cache=cache, max_new_tokens=4, do_sample=False)
@@ -269,7 +206,7 @@ def _state(model, cache):
     ({"window": 3}, "differs"),
 ])
 def test_rejected_calls_change_nothing(kwargs, match):
-    model = tiny_gemma(torch.float32)
+    model = tiny_gemma(dtype=torch.float32)
     cache = hf.RingCache(model)
     before = _state(model, cache)
     with pytest.raises(ValueError, match=match):
@@ -289,7 +226,7 @@ def test_a_model_default_cache_implementation_gives_way_to_the_ring():
 
 
 def test_plain_generate_with_a_ring_cache_raises_naming_the_call():
-    model = tiny_gemma(torch.float32)
+    model = tiny_gemma(dtype=torch.float32)
     cache = hf.RingCache(model)
     with pytest.raises(RuntimeError, match=r"ringviz\.hf\.generate"):
         model.generate(prompt(8), cache=cache, max_new_tokens=3)
@@ -297,7 +234,7 @@ def test_plain_generate_with_a_ring_cache_raises_naming_the_call():
 
 
 def test_used_cache_is_refused_and_switch_restored_on_error():
-    model = tiny_gemma(torch.float32)
+    model = tiny_gemma(dtype=torch.float32)
     cache = hf.RingCache(model)
     with pytest.raises(KeyboardInterrupt):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=9,
@@ -311,7 +248,8 @@ def test_used_cache_is_refused_and_switch_restored_on_error():
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, True, "8"])
 def test_bad_window_raises(window):
-    with pytest.raises(ValueError, match="window"):
+    error = ValueError if isinstance(window, int) and not isinstance(window, bool) else TypeError
+    with pytest.raises(error, match="window must be"):  # an int (TypeError), >= 1 (ValueError)
         hf.RingCache(tiny_llama(), window=window)
 
 
@@ -321,15 +259,15 @@ def test_model_without_a_native_window_needs_one():
 
 
 def test_unsupported_attention_features_are_named():
-    gemma = tiny_gemma(torch.float32)
+    gemma = tiny_gemma(dtype=torch.float32)
     gemma.config.attn_logit_softcapping = 50.0
     with pytest.raises(ValueError, match="soft-capping"):
         hf.RingCache(gemma)
-    llama = tiny_llama(torch.float32)
+    llama = tiny_llama(dtype=torch.float32)
     llama.model.layers[0].self_attn.sinks = torch.nn.Parameter(torch.zeros(6))
     with pytest.raises(ValueError, match="sinks"):
         hf.RingCache(llama, window=4)
-    llama = tiny_llama(torch.float32)
+    llama = tiny_llama(dtype=torch.float32)
     llama.config.alibi = True
     with pytest.raises(ValueError, match="ALiBi"):
         hf.RingCache(llama, window=4)
@@ -343,19 +281,19 @@ def test_ring_cache_cannot_roll_back():
 
 
 # ------------------------------------------------------------------------- torch.compile
-@pytest.mark.parametrize(("sinks", "sink_rope"), [(0, None), (2, None), (2, "cache")])
-def test_decode_step_compiles_once_fullgraph_and_matches_eager(sinks, sink_rope):
+@pytest.mark.parametrize(("sinks", "sink_convention"), [(0, "absolute"), (2, "absolute"), (2, "cache")])
+def test_decode_step_compiles_once_fullgraph_and_matches_eager(sinks, sink_convention):
     """All-ring cache, with and without sinks: one graph (fullgraph=True: a graph break would
     raise), no recompile."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    model = tiny_mistral(torch.float32)
+    model = tiny_mistral(dtype=torch.float32)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model.forward, fullgraph=True, backend=counter)
     runs = {}
     for name, forward in (("eager", model.forward), ("compiled", compiled)):
-        cache = hf.RingCache(model, sinks=sinks, sink_rope=sink_rope)
+        cache = hf.RingCache(model, sinks=sinks, sink_convention=sink_convention)
         assert cache.is_compileable
         logits = []
         with torch.no_grad(), hf.ring_active(model, cache):

@@ -1,7 +1,7 @@
 """ringviz.hf with attention sinks: generate() equals RingRunner's ring, in both conventions.
 
 The reference is :class:`ringviz.models.drive.RingRunner` with the same ``sinks`` and
-``sink_rope``, teacher-forced on the sequence ``generate`` produced (``ring_logits``); it is
+``sink_convention``, teacher-forced on the sequence ``generate`` produced (``ring_logits``); it is
 itself checked against the band-with-sinks recompute and StreamingLLM's algorithm in
 ``test_models_sinks.py``. Both sides use the model's own (float32-angle) RoPE, so they agree to
 float64 rounding. Tiny random float64 models: Llama with an imposed window, Gemma 3 with its own.
@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_hf import Collect, prompt, run, tiny_gemma, tiny_llama  # noqa: E402
+from tiny_models import Collect, prompt, run, tiny_gemma, tiny_llama  # noqa: E402
 
 from ringviz import hf  # noqa: E402
 from ringviz.hf import attention  # noqa: E402
@@ -33,7 +33,7 @@ def make(name: str):
     return model, window
 
 
-def generate(model, ids, window, sink_rope, new, **kwargs):
+def generate(model, ids, window, sink_convention, new, **kwargs):
     """Greedy ``hf.generate`` with sinks; Gemma 3 keeps its native window (window=None).
 
     ``generate`` casts its scores to float32, so a hook keeps the model's own float64 logits
@@ -44,8 +44,9 @@ def generate(model, ids, window, sink_rope, new, **kwargs):
     seen = []
     hook = model.register_forward_hook(lambda m, args, out: seen.append(out.logits[:, -1]))
     try:
-        out = run(hf.generate, model, ids, window=imposed, sinks=SINKS, sink_rope=sink_rope,
-                  max_new_tokens=new, min_new_tokens=new, **kwargs)
+        out = run(hf.generate, model, ids, window=imposed, sinks=SINKS,
+                  sink_convention=sink_convention, max_new_tokens=new, min_new_tokens=new,
+                  **kwargs)
     finally:
         hook.remove()
     out.logits64 = torch.stack(seen[-new:], dim=1)
@@ -53,9 +54,9 @@ def generate(model, ids, window, sink_rope, new, **kwargs):
     return out
 
 
-def runner_logits(model, seq, window, prompt_len, sink_rope):
+def runner_logits(model, seq, window, prompt_len, sink_convention):
     """RingRunner's teacher-forced logits ``(L, vocab)`` for one row ``seq``."""
-    runner = RingRunner(model, 1, window, len(seq), sinks=SINKS, sink_rope=sink_rope)
+    runner = RingRunner(model, 1, window, len(seq), sinks=SINKS, sink_convention=sink_convention)
     return ring_logits(runner, [seq], [prompt_len])[0]
 
 
@@ -81,15 +82,15 @@ def assert_equal_run(out, ref_logits, prompt_len, row=0) -> None:
 
 # ------------------------------------------------------------------------- equivalence
 @pytest.mark.parametrize("name", sorted(MODELS))
-@pytest.mark.parametrize("sink_rope", [None, "cache"])
+@pytest.mark.parametrize("sink_convention", ["absolute", "cache"])
 @pytest.mark.parametrize(("prompt_len", "chunk"), [(3, 512), (13, 4), (13, 9)])
-def test_generate_equals_ring_runner(name, sink_rope, prompt_len, chunk):
+def test_generate_equals_ring_runner(name, sink_convention, prompt_len, chunk):
     """Prompts shorter and longer than S + W, prefill chunks < and > W, 5 W new tokens."""
     model, W = make(name)
     ids = prompt(prompt_len)
-    out = generate(model, ids, W, sink_rope, 5 * W, prefill_chunk_size=chunk)
+    out = generate(model, ids, W, sink_convention, 5 * W, prefill_chunk_size=chunk)
     seq = out.sequences[0]
-    ref = runner_logits(model, seq, W, prompt_len, sink_rope)
+    ref = runner_logits(model, seq, W, prompt_len, sink_convention)
     assert_equal_run(out, ref, prompt_len)
     rings = [layer.ring for layer in out.cache.layers if isinstance(layer, hf.RingLayer)]
     assert rings and all(r.positions[0, :SINKS].tolist() == [0, 1] for r in rings)
@@ -101,7 +102,7 @@ def test_the_two_conventions_part_after_the_cache_fills(name):
     model, W = make(name)
     prompt_len = 4
     out = generate(model, prompt(prompt_len), W, "cache", 4 * W)
-    other = runner_logits(model, out.sequences[0], W, prompt_len, None)
+    other = runner_logits(model, out.sequences[0], W, prompt_len, "absolute")
     gap = score_gap(out, other, prompt_len)  # gap[i]: the query at position prompt_len - 1 + i
     full = SINKS + W - 1 - (prompt_len - 1)  # first query whose sinks are shifted
     assert gap[:full + 1].max() <= EXACT and gap[full + 1:].min() > 1e-6
@@ -110,33 +111,33 @@ def test_the_two_conventions_part_after_the_cache_fills(name):
 def test_sinks_change_the_output_past_the_window():
     """sinks=2 is not the plain ring: the scores part once the first tokens leave the window."""
     model, W = make("llama")
-    out = generate(model, prompt(3), W, None, 4 * W)
+    out = generate(model, prompt(3), W, "absolute", 4 * W)
     plain = RingRunner(model, 1, W, out.sequences.shape[1])
     gap = score_gap(out, ring_logits(plain, [out.sequences[0]], [3])[0], 3)
     assert gap[:W - 2].max() <= EXACT and gap[W - 2:].min() > 1e-6  # query at W sees 0 no more
 
 
-@pytest.mark.parametrize("sink_rope", [None, "cache"])
-def test_left_padded_batch_rows_match_their_own_runs(sink_rope):
+@pytest.mark.parametrize("sink_convention", ["absolute", "cache"])
+def test_left_padded_batch_rows_match_their_own_runs(sink_convention):
     """Rows of 14, 9 and 3 real tokens (W = 6): each equals RingRunner on that row alone."""
     model, W = make("gemma3")
     ids = prompt(14, batch=3)
     mask = torch.ones_like(ids)
     mask[1, :5], mask[2, :11] = 0, 0
-    out = generate(model, ids.masked_fill(mask == 0, 0), W, sink_rope, 4 * W,
+    out = generate(model, ids.masked_fill(mask == 0, 0), W, sink_convention, 4 * W,
                    attention_mask=mask, prefill_chunk_size=4)
     for b, start in enumerate((0, 5, 11)):
         seq = out.sequences[b, start:]
-        ref = runner_logits(model, seq, W, 14 - start, sink_rope)
+        ref = runner_logits(model, seq, W, 14 - start, sink_convention)
         assert_equal_run(out, ref, 14 - start, row=b)
 
 
 def test_ring_memory_is_fixed_with_sinks():
     """Every ring holds S + W slots per row (+ the spare): the same bytes at 20 and 210 tokens."""
     model, W = make("gemma3")
-    cache = hf.RingCache(model, sinks=SINKS, sink_rope="cache")
+    cache = hf.RingCache(model, sinks=SINKS, sink_convention="cache")
     streamer = Collect(cache)
-    hf.generate(model, prompt(10), cache=cache, sinks=SINKS, sink_rope="cache",
+    hf.generate(model, prompt(10), cache=cache, sinks=SINKS, sink_convention="cache",
                 max_new_tokens=201, min_new_tokens=201, do_sample=False, streamer=streamer)
     rings = [layer.ring for layer in cache.layers if isinstance(layer, hf.RingLayer)]
     assert all(r.k.shape[2] == SINKS + W for r in rings)
@@ -150,12 +151,14 @@ def test_ring_memory_is_fixed_with_sinks():
     ({"sinks": -1}, ValueError, "sinks must be >= 0"),
     ({"sinks": 1.5}, TypeError, "sinks must be an int"),
     ({"sinks": True}, TypeError, "sinks must be an int"),
-    ({"sinks": 2, "sink_rope": "absolute"}, ValueError, "sink_rope must be one of"),
-    ({"sinks": 2, "sink_rope": lambda x, p: x}, ValueError, "sink_rope must be one of"),
-    ({"sink_rope": "cache"}, ValueError, "needs sinks >= 1"),
+    ({"sinks": 2, "sink_convention": None}, ValueError, "sink_convention must be one of"),
+    ({"sinks": 2, "sink_convention": lambda x, p: x}, ValueError, "sink_convention must be one of"),
+    ({"sink_convention": "cache"}, ValueError, "needs sinks >= 1"),
+    ({"sinks": 2, "sink_rope": "absolute"}, ValueError, r"sink_rope \(deprecated\) must be"),
+    ({"sinks": 2, "sink_rope": "cache", "sink_convention": "cache"}, ValueError, "not both"),
 ])
 def test_bad_sink_arguments_raise_and_change_nothing(kwargs, error, match):
-    model = tiny_gemma(torch.float32)
+    model = tiny_gemma(dtype=torch.float32)
     with pytest.raises(error, match=match):
         hf.RingCache(model, **kwargs)
     with pytest.raises(error, match=match):
@@ -171,19 +174,36 @@ def test_bad_sink_arguments_raise_and_change_nothing(kwargs, error, match):
                      attention._ACTIVE.cache)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"sinks": 2}, {"sinks": 3, "sink_rope": "cache"}])
+@pytest.mark.parametrize("kwargs", [{}, {"sinks": 2}, {"sinks": 3, "sink_convention": "cache"}])
 def test_a_cache_with_other_sinks_is_refused(kwargs):
-    model = tiny_gemma(torch.float32)
-    cache = hf.RingCache(model, sinks=2, sink_rope="cache")
+    model = tiny_gemma(dtype=torch.float32)
+    cache = hf.RingCache(model, sinks=2, sink_convention="cache")
     with pytest.raises(ValueError, match="differ from the cache's"):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=3, **kwargs)
     assert cache.get_seq_length() == 0 and cache.nbytes == 0
 
 
+def test_deprecated_sink_rope_spelling_warns_and_means_the_convention():
+    model, W = make("llama")
+    ids = prompt(12)
+    with pytest.warns(DeprecationWarning, match="sink_convention='cache'"):
+        old = run(hf.generate, model, ids, window=W, sinks=SINKS, sink_rope="cache",
+                  max_new_tokens=6)
+    new = run(hf.generate, model, ids, window=W, sinks=SINKS, sink_convention="cache",
+              max_new_tokens=6)
+    assert torch.equal(old.sequences, new.sequences)
+    with pytest.warns(DeprecationWarning):
+        assert hf.RingCache(model, window=W, sinks=SINKS, sink_rope="cache").sink_convention \
+            == "cache"
+    with pytest.warns(DeprecationWarning):
+        assert RingRunner(model, 1, W, 8, sinks=SINKS, sink_rope="cache").sink_convention \
+            == "cache"
+
+
 # ------------------------------------------------------------------------- the real model
 @pytest.mark.slow
-@pytest.mark.parametrize("sink_rope", [None, "cache"])
-def test_gemma3_270m_with_sinks_equals_ring_runner_past_its_window(sink_rope):
+@pytest.mark.parametrize("sink_convention", ["absolute", "cache"])
+def test_gemma3_270m_with_sinks_equals_ring_runner_past_its_window(sink_convention):
     """Gemma 3 270M (float32, local RoPE base for the sinks): a 600-token prompt, 64 new."""
     from ringviz.models.load import load_model
     from ringviz.models.text import eval_tokens
@@ -194,12 +214,12 @@ def test_gemma3_270m_with_sinks_equals_ring_runner_past_its_window(sink_rope):
     seen = []
     hook = model.register_forward_hook(lambda m, args, out: seen.append(out.logits[:, -1]))
     try:
-        out = run(hf.generate, model, ids, sinks=4, sink_rope=sink_rope, max_new_tokens=new,
+        out = run(hf.generate, model, ids, sinks=4, sink_convention=sink_convention, max_new_tokens=new,
                   min_new_tokens=new)
     finally:
         hook.remove()
     seq = out.sequences[0]
-    runner = RingRunner(model, 1, None, len(seq), sinks=4, sink_rope=sink_rope)
+    runner = RingRunner(model, 1, None, len(seq), sinks=4, sink_convention=sink_convention)
     ref = ring_logits(runner, [seq], [ids.shape[1]])[0][ids.shape[1] - 1:-1]
     assert (torch.stack(seen[-new:], dim=1)[0] - ref).abs().max() < 1e-3
     assert torch.equal(seq[ids.shape[1]:], ref.argmax(-1))

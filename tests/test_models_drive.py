@@ -7,6 +7,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import FAMILIES, tiny_gemma, tiny_llama, tokens  # noqa: E402
+
+from ringviz import hf  # noqa: E402
+from ringviz.hf import PREFILL_CHUNK  # noqa: E402
+from ringviz.hf.config import layer_windows  # noqa: E402
 from ringviz.models.bugs import (  # noqa: E402
     BUGS,
     SharedRingRunner,
@@ -15,7 +20,6 @@ from ringviz.models.bugs import (  # noqa: E402
 )
 from ringviz.models.drive import (  # noqa: E402
     RingRunner,
-    layer_windows,
     left_pad,
     ring_generate,
     ring_logits,
@@ -24,28 +28,6 @@ from ringviz.models.equivalence import compare, full_cache_bytes, ragged_rows  #
 from ringviz.models.reference import band_bias, reference_greedy, reference_logits  # noqa: E402
 
 EXACT = 1e-10  # float64: the ring and one full forward differ only by summation order
-
-
-def tiny_llama(device) -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e5}, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(config).to(device=device, dtype=torch.float64).eval()
-
-
-def tiny_gemma(device, window: int = 6) -> torch.nn.Module:
-    config = transformers.Gemma3TextConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=window,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        query_pre_attn_scalar=16, max_position_embeddings=256, attn_implementation="sdpa")
-    return transformers.Gemma3ForCausalLM(config).to(device=device, dtype=torch.float64).eval()
-
-
-def tokens(n: int, device, offset: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(123 + offset)
-    return torch.randint(0, 97, (n,), generator=g).to(device)
 
 
 @pytest.mark.parametrize("prompt", [3, 8, 20])  # shorter than, equal to, longer than W
@@ -78,7 +60,7 @@ def test_gemma_ring_matches_hf_native_sliding_window(device):
     ids = tokens(30, device)
     runner = RingRunner(model, 1, None, capacity=len(ids))
     assert runner.windows == [6, None, 6]
-    assert runner.caches[1].window == 30  # the full layer's cache never wraps
+    assert runner.caches[1].allocated == 30  # the full layer holds every position, never regrown
     ring = ring_logits(runner, [ids], [11])[0]
     assert (ring - reference_logits(model, ids, None)).abs().max() < EXACT
 
@@ -136,7 +118,8 @@ def test_chunked_prefill_delays_chunk_first_to_the_second_chunk(device):
     model, window = tiny_llama(device), 8
     ids = tokens(30, device)
     _, cls, capacity = BUGS["chunk_first"]
-    ring = ring_logits(cls(model, 1, capacity(window), len(ids)), [ids], [12])[0]
+    ring = ring_logits(cls(model, 1, capacity(window), len(ids)), [ids], [12],
+                       prefill_chunk=window)[0]
     assert first_divergence(ring, reference_logits(model, ids, window), tol=1e-9) == window
 
 
@@ -168,7 +151,7 @@ def test_bad_inputs_raise(device):
     model = tiny_llama(device)
     with pytest.raises(ValueError, match="no native sliding window"):
         layer_windows(model, None)
-    with pytest.raises(ValueError, match="window must be a positive int"):
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
         layer_windows(model, 0)
     with pytest.raises(ValueError, match="same number of new tokens"):
         ring_logits(RingRunner(model, 2, 4, 10), [tokens(5, device), tokens(6, device)], [2, 2])
@@ -180,8 +163,10 @@ def test_bad_inputs_raise(device):
 def runner_hash(runner) -> str:
     """sha256 over every stored tensor of every layer (spare slots included)."""
     digest = hashlib.sha256()
-    for c in runner.caches:
-        for t in (c._k_store, c._v_store, c._pos_store, c._last_pos):
+    for c in runner.caches:  # a ring's stores, or a full layer's (slot = position)
+        stores = (c._k_store, c._v_store, c._pos_store, c._last_pos) if hasattr(c, "_pos_store") \
+            else (c._k_store, c._v_store, torch.tensor(c.seen))
+        for t in stores:
             digest.update(t.cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
@@ -200,7 +185,8 @@ def test_position_past_capacity_refused_before_any_layer_writes(device):
     fresh = RingRunner(model, 1, None, capacity=5)
     with pytest.raises(ValueError, match="capacity=5"):
         ring_generate(fresh, [ids[:3]], 4)  # would feed positions up to 5
-    assert all(int(c.positions.max()) == -1 for c in fresh.caches)  # nothing written
+    assert all(int(layer.seen) == 0 for layer in fresh.cache.layers)  # nothing written
+    assert all(int(c.positions.max()) == -1 for c in fresh.caches if hasattr(c, "positions"))
 
 
 class Interrupt(KeyboardInterrupt):
@@ -218,7 +204,7 @@ def test_interrupted_forward_refuses_until_reset_then_equals_clean_run(device, m
     with pytest.raises(Interrupt):  # Ctrl-C in layer 1: layer 0 already holds position 8
         runner.forward(ids[None, 8:9], torch.tensor([[8]], device=device))
     monkeypatch.undo()
-    assert int(runner.caches[0]._last_pos) == 8 and int(layer1._last_pos) == 7
+    assert int(runner.caches[0]._last_pos) == 8 and layer1.seen == 8  # 0..7, not 8
     for pos in (8, 9):  # neither the retry nor the next position is silently decoded
         with pytest.raises(RuntimeError, match=r"left mid-step.*runner.reset\(\)"):
             runner.forward(ids[None, pos:pos + 1], torch.tensor([[pos]], device=device))
@@ -254,7 +240,7 @@ def test_prefill_default_chunk_and_last_only(device):
     model = tiny_gemma(device, window=6)
     ids = tokens(20, device)
     runner = RingRunner(model, 1, None, capacity=20)
-    assert runner.prefill_chunk == 6  # the smallest ring, not the full layer's 20
+    assert runner.prefill_chunk == PREFILL_CHUNK  # generate's: one prefill default
     pos = torch.arange(20, device=device)[None]
     last = runner.prefill(ids[None], pos, last_only=True)
     assert last.shape == (1, 1, model.config.vocab_size)
@@ -286,3 +272,25 @@ def test_window_imposed_on_a_model_whose_layers_are_all_full():
     assert layer_windows(model, 4) == [4, 4]
     with pytest.raises(ValueError, match="no native sliding window"):
         layer_windows(model, None)
+
+
+# ------------------------------------------------------------ one road (issue 16)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_ring_runner_serves_every_family_ringviz_hf_serves(family):
+    """RingRunner drives ringviz.hf: on every family the same tokens and logits as
+    ``ringviz.hf.generate``, and exact against one full forward (Qwen2 and Phi-3 configs have
+    no ``head_dim``; Mistral and Phi-3 slide without ``layer_types``)."""
+    build, window = FAMILIES[family]
+    model = build()
+    ids = tokens(14)
+    out = hf.generate(model, ids[None], window=window, max_new_tokens=9, do_sample=False,
+                      prefill_chunk_size=4, output_logits=True, return_dict_in_generate=True,
+                      pad_token_id=0)
+    seq, new = out.sequences[0], out.sequences.shape[1] - len(ids)  # 9, or fewer at an EOS
+    runner = RingRunner(model, 1, window, capacity=len(seq))
+    ring = ring_logits(runner, [seq], [len(ids)], prefill_chunk=4)[0]
+    assert (ring - reference_logits(model, seq, window)).abs().max() < EXACT
+    generated = torch.stack([step[0] for step in out.logits])  # float32 in generate's output
+    assert (ring[len(ids) - 1:-1].float() - generated).abs().max() < 1e-5
+    assert torch.equal(ring_generate(RingRunner(model, 1, window, len(seq)), [ids], new)[0],
+                       seq[len(ids):])

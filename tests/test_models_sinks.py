@@ -12,22 +12,22 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_models_drive import tiny_gemma, tiny_llama, tokens  # noqa: E402
 
+from tiny_models import tiny_gemma, tiny_llama, tokens  # noqa: E402
+
+from ringviz.hf import FullLayer  # noqa: E402
+from ringviz.hf.rotary import float64_rope_angles, model_sink_rope  # noqa: E402
 from ringviz.models.drive import RingRunner, ring_logits  # noqa: E402
 from ringviz.models.reference import reference_logits  # noqa: E402
-from ringviz.models.sinks import (  # noqa: E402
-    float64_rope_angles,
-    model_sink_rope,
-    streaming_llm_logits,
-)
+from ringviz.models.sinks import streaming_llm_logits  # noqa: E402
 from ringviz.rope import apply_rope  # noqa: E402
 
 EXACT = 1e-10
 
 
-def run_ring(model, ids, window, sinks, sink_rope, prompt):
-    runner = RingRunner(model, 1, window, capacity=len(ids), sinks=sinks, sink_rope=sink_rope)
+def run_ring(model, ids, window, sinks, sink_convention, prompt):
+    runner = RingRunner(model, 1, window, capacity=len(ids), sinks=sinks,
+                        sink_convention=sink_convention)
     return ring_logits(runner, [ids], [prompt], prefill_chunk=5)[0], runner
 
 
@@ -36,7 +36,7 @@ def run_ring(model, ids, window, sinks, sink_rope, prompt):
 def test_absolute_sinks_equal_band_with_sinks(device, make, prompt):
     model, window, sinks = make(device), 6, 2
     ids = tokens(32, device)
-    ring, runner = run_ring(model, ids, window, sinks, None, prompt)
+    ring, runner = run_ring(model, ids, window, sinks, "absolute", prompt)
     assert (ring - reference_logits(model, ids, window, sinks)).abs().max() < EXACT
     sliding = [c for c, w in zip(runner.caches, runner.windows, strict=True) if w]
     assert all(c.positions[0, :sinks].tolist() == [0, 1] for c in sliding)
@@ -79,11 +79,11 @@ def test_ragged_padded_batch_with_sinks(device):
     model, window, sinks = tiny_llama(device), 5, 2
     rows = [tokens(26, device), tokens(21, device, offset=1)]
     with float64_rope_angles(model):
-        for sink_rope in (None, "cache"):
-            runner = RingRunner(model, 2, window, capacity=26, sinks=sinks, sink_rope=sink_rope)
+        for sink_convention in ("absolute", "cache"):
+            runner = RingRunner(model, 2, window, capacity=26, sinks=sinks, sink_convention=sink_convention)
             got = ring_logits(runner, rows, [14, 9])
             for row, logits in zip(rows, got, strict=True):
-                ref = (reference_logits(model, row, window, sinks) if sink_rope is None
+                ref = (reference_logits(model, row, window, sinks) if sink_convention == "absolute"
                        else streaming_llm_logits(model, row, window, sinks))
                 assert (logits - ref).abs().max() < EXACT
 
@@ -100,16 +100,16 @@ def test_gemma_sinks_rotate_with_the_local_base(device):
     # HF keeps inv_freq in float32: ~4e-6 off at position 900, far from the global base's gap
     assert (got - apply_rope(x, pos, theta=local)).abs().max() < 1e-4
     assert (got - apply_rope(x, pos, theta=glob)).abs().max() > 1e-2
-    runner = RingRunner(model, 1, None, capacity=40, sinks=2, sink_rope="cache")
-    assert [c.sinks for c in runner.caches] == [2, 0, 2]  # the full layer keeps everything
-    assert runner.caches[1].sink_rope is None
+    runner = RingRunner(model, 1, None, capacity=40, sinks=2, sink_convention="cache")
+    assert [getattr(c, "sinks", None) for c in runner.caches] == [2, None, 2]
+    assert isinstance(runner.caches[1], FullLayer)  # the full layer keeps everything
 
 
 @pytest.mark.parametrize(("kwargs", "error"), [
     ({"sinks": -1}, ValueError),
     ({"sinks": 2.0}, TypeError),
-    ({"sinks": 2, "sink_rope": "absolute"}, ValueError),
-    ({"sinks": 0, "sink_rope": "cache"}, ValueError),
+    ({"sinks": 2, "sink_convention": "streaming"}, ValueError),
+    ({"sinks": 0, "sink_convention": "cache"}, ValueError),
 ])
 def test_runner_rejects_bad_sinks(device, kwargs, error):
     with pytest.raises(error):

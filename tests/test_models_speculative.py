@@ -5,7 +5,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_models_drive import tiny_gemma, tiny_llama, tokens  # noqa: E402
+
+from tiny_models import tiny_gemma, tiny_llama, tokens  # noqa: E402
 
 from ringviz.models.reference import reference_greedy, reference_logits  # noqa: E402
 from ringviz.models.speculative import DraftRunner, speculative_generate  # noqa: E402

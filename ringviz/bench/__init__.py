@@ -16,6 +16,8 @@ chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``b
   its decode step compiled by inductor.
 * ``generate_memory``: SmolLM2 peak RSS and cache bytes after 20 and 2,000 new tokens, ring vs
   Hugging Face's default cache (fresh processes, CPU).
+* ``conform``: seconds of one ``ringviz.conformance.check(examples=100)`` on W = 6 caches
+  (``conform.py``; target under 30 s on one thread).
 
 Modules: ``harness`` (timing, machine facts), ``cases`` (the implementations), ``memory``
 (subprocess RSS runs), ``model`` (the real model), ``generate`` (the real model inside
@@ -33,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ringviz.bench.cases import DECODE_IMPLS, UPDATE_IMPLS, Shape, build_cases
+from ringviz.bench.conform import CONFORM_CACHES
 from ringviz.bench.harness import machine_info, measure_interleaved
 from ringviz.bench.memory import MEMORY_IMPLS, run_memory
 from ringviz.bench.report import figures, save_plots
@@ -83,12 +86,18 @@ class BenchConfig:
     generate_memory: bool = True  # bench="generate_memory": SmolLM2 RSS, ring vs HF default
     generate_memory_window: int = 256
     generate_memory_new_tokens: tuple[int, ...] = (20, 2000)
+    conform_caches: tuple[str, ...] = CONFORM_CACHES  # bench="conform": check() wall time
+    conform_window: int = 6
+    conform_examples: int = 100
+    conform_reps: int = 3
 
 
 FULL = BenchConfig()
 QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
-                model=False, generate=False, compiled=False, generate_memory=False)
-PARTS = ("decode_step", "sinks", "generate", "compiled", "generate_memory")  # ``--only`` keeps one
+                model=False, generate=False, compiled=False, generate_memory=False,
+                conform_reps=1)
+PARTS = ("decode_step", "sinks", "generate", "compiled", "generate_memory",
+         "conform")  # ``--only`` keeps one
 
 
 def only(config: BenchConfig, part: str) -> BenchConfig:
@@ -96,11 +105,14 @@ def only(config: BenchConfig, part: str) -> BenchConfig:
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     rest = replace(config, update_windows=(), decode_windows=(), memory=False, model=False,
-                   sink_windows=(), generate=False, compiled=False, generate_memory=False)
+                   sink_windows=(), generate=False, compiled=False, generate_memory=False,
+                   conform_caches=())
     if part == "decode_step":
         return replace(rest, decode_windows=config.decode_windows)
     if part == "sinks":
         return replace(rest, sink_windows=config.sink_windows)
+    if part == "conform":
+        return replace(rest, conform_caches=config.conform_caches)
     return replace(rest, **{part: True})
 
 
@@ -216,6 +228,12 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
             rows += generate_memory_rows(window=config.generate_memory_window,
                                          new_tokens=config.generate_memory_new_tokens,
                                          threads=config.threads, log=_log)
+        if config.conform_caches:
+            from ringviz.bench.conform import conform_rows
+
+            rows += conform_rows(caches=config.conform_caches, window=config.conform_window,
+                                 examples=config.conform_examples, reps=config.conform_reps,
+                                 log=_log)
         result = {"device": device.type, "machine": machine_info(device),
                   "config": asdict(config), "rows": rows}
     finally:

@@ -117,11 +117,12 @@ def _sink_figures(rows: Sequence[dict]) -> dict:
 
 def figures(rows: Sequence[dict]) -> dict:
     """The headline ratios of one run, named after what they divide."""
+    from ringviz.bench.conform import conform_figures
     from ringviz.bench.generate import compiled_figures, generate_figures, generate_memory_figures
 
     return {**_update_figures(rows), **_decode_figures(rows), **_memory_figures(rows),
             **_model_figures(rows), **_sink_figures(rows), **generate_figures(rows),
-            **compiled_figures(rows), **generate_memory_figures(rows)}
+            **compiled_figures(rows), **generate_memory_figures(rows), **conform_figures(rows)}
 
 
 def _as_ms(rows: Sequence[dict], bench: str) -> list[dict]:

@@ -31,7 +31,7 @@ from ringviz.bench.cases import Shape, make_inputs
 from ringviz.bench.harness import Case
 from ringviz.cache import RingKVCache
 from ringviz.masks import band_mask
-from ringviz.rope import apply_rope, rope_angles, rotate_half
+from ringviz.rope import apply_rope, rope_angles, rotate
 from ringviz.sinks import rotate_sinks
 
 SINK_IMPLS = ("ring_sinks", "ring_sinks_absolute", "streaming_llm", "sink_concat")
@@ -62,11 +62,11 @@ class StreamingLLMCache:
         S = self.sinks
         self.k = torch.cat([self.k[:, :, :S], self.k[:, :, S + 1:], k], dim=2)
         self.v = torch.cat([self.v[:, :, :S], self.v[:, :, S + 1:], v], dim=2)
-        return self.k * self.cos + rotate_half(self.k) * self.sin, self.v
+        return rotate(self.k, self.cos, self.sin), self.v
 
     def query(self, q_raw: torch.Tensor) -> torch.Tensor:
         """The unrotated query rotated at the cache's last position."""
-        return q_raw * self.cos[-1] + rotate_half(q_raw) * self.sin[-1]
+        return rotate(q_raw, self.cos[-1], self.sin[-1])
 
 
 def _steps(impl: str, shape: Shape, window: int, sinks: int, pre_k: torch.Tensor,

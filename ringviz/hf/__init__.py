@@ -5,8 +5,9 @@
 token, never a copy of the window); its full-attention layers keep every token in storage that
 grows geometrically, so no step copies their history. The data path of one layer::
 
-    q, k, v (RoPE at absolute positions, by HF) -> cache.update: ring write at slot pos % W
-        -> mask from stored positions (built once per forward per window) -> attention
+    mask hook (once per forward): plan = positions, per kind: key positions -> mask
+    q, k, v (RoPE at absolute positions, by HF) -> attention hook: the layer's step
+        -> ring write at slot pos % W -> attention with the plan's mask
 
 Hugging Face's stock masks assume key ``i`` holds position ``kv_offset + i`` (keys in temporal
 order); a ring's slots break that as soon as it wraps, is not full, takes a chunk or a padded row.
@@ -17,106 +18,29 @@ applies them. :func:`generate` switches the model to that name for the call and 
 Plain ``model.generate(cache=RingCache(model))`` keeps the stock masks, so the first cache write
 raises an error that names :func:`generate`; it is never silently wrong.
 
-Modules: ``layers`` (``RingLayer``, ``FullLayer``), ``cache`` (``RingCache``), ``attention``
-(the mask and attention hooks, ``ring_active``); :func:`generate` lives here.
+Modules: ``config`` (``read_layout``: the one reader of a model's config), ``rotary`` (the
+model's own RoPE), ``plan`` (``ForwardPlan``: what one forward needs, computed once),
+``layers`` (``RingLayer``, ``FullLayer``), ``cache`` (``RingCache``), ``attention`` (the mask
+and attention hooks, ``ring_active``), ``generation`` (:func:`generate`).
 
-Attention sinks: ``RingCache(model, sinks=S, sink_rope=None | "cache")`` (and the same arguments
-of :func:`generate`) keep each row's first ``S`` tokens in every ring, as
-:class:`ringviz.models.drive.RingRunner` does: the sliding masks add the sink rule, and with
-``"cache"`` (StreamingLLM's positions inside the cache) the attention function scores the sink
-keys turned by ``p - min(p, S + W - 1)``, the core's own sink attention. Full layers unchanged.
+Attention sinks: ``RingCache(model, sinks=S, sink_convention="absolute" | "cache")`` (and the
+same arguments of :func:`generate`) keep each row's first ``S`` tokens in every ring: the
+sliding masks add the sink rule, and with ``"cache"`` (StreamingLLM's positions inside the
+cache) the attention scores the sink keys turned by ``p - min(p, S + W - 1)``, the core's own
+sink attention. Full layers unchanged. :class:`ringviz.models.drive.RingRunner` drives the
+same RingCache, teacher-forced.
 
 Positions: a row's token at absolute position ``p`` is the ``p``-th real token of that row
 (``attention_mask.cumsum(-1) - 1``, what ``generate`` feeds RoPE); padding is ``-1`` and never
 takes a slot.
 """
 
-from __future__ import annotations
-
-import copy
-
-import torch
-from transformers import GenerationConfig
-from transformers.generation.configuration_utils import GenerationMode
-
 from ringviz.hf.attention import ATTN_NAME, register, ring_active
 from ringviz.hf.cache import RingCache, check_model
+from ringviz.hf.config import layer_windows, read_layout
+from ringviz.hf.generation import PREFILL_CHUNK, generate
 from ringviz.hf.layers import FullLayer, RingLayer
-from ringviz.models.drive import check_sinks, layer_windows
+from ringviz.hf.plan import ForwardPlan
 
-# default prefill chunk: a prompt is prefilled in chunks of this many tokens. Each chunk is one
-# more pass over the weights (about a decode step: 0.1 s for Gemma-3-270M on one CPU thread), so
-# chunks are long; a chunk's transient memory (its mask, activations) stays tens of MB.
-PREFILL_CHUNK = 2048
-SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-
-
-def _generation_config(model, kwargs: dict) -> GenerationConfig:
-    """The generation config this call would use (a copy: the model's stays untouched)."""
-    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
-    config.update(**{k: v for k, v in kwargs.items() if k != "generation_config"})
-    return config
-
-
-def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
-    """Raise on what a ring cannot serve, before anything runs."""
-    for name, why in (("past_key_values", "pass cache= (a RingCache) instead"),
-                      ("position_ids", "positions come from attention_mask"),
-                      ("cache_implementation", "the cache is a RingCache")):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"ringviz.hf.generate does not take {name}: {why}")
-    mode = config.get_generation_mode(kwargs.get("assistant_model"))
-    if mode not in SERVED_MODES:
-        raise ValueError(f"generation mode {mode.value!r} is not supported by RingCache: it "
-                         f"needs crop/reorder of tokens a ring has evicted; use greedy or "
-                         f"sampling (num_beams=1, no assistant)")
-    if config.output_attentions:
-        raise ValueError("output_attentions is not supported: the ring attention returns no "
-                         "weights")
-    if config.use_cache is False:
-        raise ValueError("use_cache=False would bypass the RingCache")
-
-
-def _check_cache(model, cache, window: int | None, sinks: int, sink_rope: str | None) -> None:
-    """Raise unless ``cache`` is an unused RingCache for ``model`` with these settings."""
-    if not isinstance(cache, RingCache) or cache.config is not model.config:
-        raise ValueError("cache= must be a RingCache built for this model")
-    if window is not None and window != cache.window:
-        raise ValueError(f"window={window} differs from the cache's window {cache.window}")
-    if (sinks, sink_rope) != (cache.sinks, cache.sink_rope):
-        raise ValueError(f"sinks={sinks}, sink_rope={sink_rope!r} differ from the cache's "
-                         f"sinks={cache.sinks}, sink_rope={cache.sink_rope!r}")
-    if cache.get_seq_length() > 0:
-        raise ValueError("this RingCache already holds tokens: pass a fresh one")
-
-
-def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None = None,
-             sinks: int = 0, sink_rope: str | None = None, **kwargs):
-    """``model.generate(input_ids, **kwargs)`` decoded through a :class:`RingCache`.
-
-    A fresh ``RingCache(model, window=window, sinks=sinks, sink_rope=sink_rope)`` unless
-    ``cache=`` passes one (unused, built for this model, with these ``sinks`` and
-    ``sink_rope``). ``sinks=S`` keeps each row's first S tokens in every ring; ``sink_rope``
-    None scores them at absolute positions, ``"cache"`` at StreamingLLM's positions inside the
-    cache (:class:`RingCache`). The prompt is prefilled in chunks of ``prefill_chunk_size``
-    tokens (default :data:`PREFILL_CHUNK`). Greedy and sampling only.
-    """
-    cache = kwargs.pop("cache", None)
-    config = _generation_config(model, kwargs)
-    _check_call(model, kwargs, config)
-    if cache is None:
-        cache = RingCache(model, window=window, sinks=sinks, sink_rope=sink_rope)
-    else:
-        _check_cache(model, cache, window, check_sinks(sinks, sink_rope), sink_rope)
-    if config.prefill_chunk_size is None:
-        kwargs["prefill_chunk_size"] = PREFILL_CHUNK
-    if config.cache_implementation is not None:  # a model default (e.g. Gemma 3's "hybrid")
-        kwargs["cache_implementation"] = None  # would clash with cache=: the ring replaces it
-    if input_ids is not None and config.max_new_tokens is not None:
-        cache.reserve(input_ids.shape[-1] + config.max_new_tokens)
-    with ring_active(model, cache):
-        return model.generate(input_ids, cache=cache, **kwargs)
-
-
-__all__ = ["ATTN_NAME", "PREFILL_CHUNK", "FullLayer", "RingCache", "RingLayer", "check_model",
-           "generate", "layer_windows", "register", "ring_active"]
+__all__ = ["ATTN_NAME", "PREFILL_CHUNK", "ForwardPlan", "FullLayer", "RingCache", "RingLayer",
+           "check_model", "generate", "layer_windows", "read_layout", "register", "ring_active"]

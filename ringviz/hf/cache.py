@@ -1,14 +1,15 @@
-"""RingCache: a ``transformers.Cache`` made of ring layers and growing full layers."""
+"""RingCache: a ``transformers.Cache`` made of ring layers and growing full layers, and its plan."""
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache
 
-from ringviz.hf.layers import NOT_THROUGH_GENERATE, FullLayer, RingLayer
-from ringviz.masks import band_mask
-from ringviz.models.drive import check_sinks, layer_kinds, layer_windows
-from ringviz.models.sinks import model_sink_rope
+from ringviz.checks import check_sinks, sink_convention_from
+from ringviz.hf.config import read_layout
+from ringviz.hf.layers import FullLayer, RingLayer
+from ringviz.hf.plan import NOT_THROUGH_GENERATE, ForwardPlan, positions_from_mask
+from ringviz.hf.rotary import model_sink_rope
 
 
 def check_model(model) -> None:
@@ -40,34 +41,42 @@ class RingCache(Cache):
     it, and on a model without one (Llama, SmolLM2) makes every layer a ring of ``W``.
 
     ``sinks=S`` keeps each row's first ``S`` positions in every ring beside its window (attention
-    sinks; full-attention layers keep everything anyway). ``sink_rope=None`` scores them at their
-    absolute positions; ``sink_rope="cache"`` at StreamingLLM's positions inside the cache, the
+    sinks; full-attention layers keep everything anyway). ``sink_convention="absolute"`` scores
+    them at their own positions; ``"cache"`` at StreamingLLM's positions inside the cache, the
     sink keys turned by the model's own rotary embedding for sliding layers (Gemma 3: the local
-    base, not the global one). The same choices as :class:`ringviz.models.drive.RingRunner`.
+    base, not the global one). The same choices as :class:`ringviz.models.drive.RingRunner`,
+    which drives a RingCache too.
+
+    One forward: transformers asks the mask hook for each layer kind's mask, and the first ask
+    fills :attr:`plan` (:meth:`make_plan`); each layer's ``update`` then hands its new tokens on,
+    and the attention hook calls :meth:`attend`: the layer's step (ring write + attention) with
+    the plan's mask.
     """
 
     def __init__(self, model, *, window: int | None = None, sinks: int = 0,
-                 sink_rope: str | None = None) -> None:
-        sinks = check_sinks(sinks, sink_rope)
+                 sink_convention: str = "absolute", sink_rope: str | None = None) -> None:
+        """``sink_rope=None | "cache"``: the deprecated spelling of ``sink_convention``."""
+        sink_convention = sink_convention_from(sink_convention, sink_rope)
+        sinks = check_sinks(sinks, sink_convention)
         check_model(model)
-        windows = layer_windows(model, window)  # ValueError on a bad window
-        kinds = layer_kinds(model.config)
-        rope = model_sink_rope(model, "sliding_attention") if sink_rope == "cache" else None
+        layout = read_layout(model.config)
+        windows = layout.windows(window)  # ValueError on a bad window
+        rope = model_sink_rope(model, "sliding_attention") if sink_convention == "cache" else None
         super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope) if w else FullLayer()
                                  for w in windows])
-        self.config = model.config
+        self.config, self.layout = model.config, layout
+        self.windows = windows
         self.window = windows_of(windows)
-        self.sinks, self.sink_rope = sinks, sink_rope
+        self.sinks, self.sink_convention = sinks, sink_convention
         self.kind_layer: dict[str, int] = {}  # kind -> first layer of that kind
-        for i, (kind, w) in enumerate(zip(kinds, windows, strict=True)):
+        for i, (kind, w) in enumerate(zip(layout.kinds, windows, strict=True)):
             first = self.kind_layer.setdefault(kind, i)
             if windows[first] != w:
                 raise ValueError(f"layers {first} and {i} get the same mask but windows "
                                  f"{windows[first]} and {w}")
-        self._pending: torch.Tensor | None = None  # positions of this forward's new tokens
-        self.padding: torch.Tensor | None = None  # (B, T) which of them are padding
-        self.chunk_padded = False  # whether this forward's chunk (T > 1) has any padding
-        self._updated = 0  # layers updated in the current forward
+        self.plan = ForwardPlan()
+        self.given_positions: torch.Tensor | None = None  # the next forward's, if set
+        self.switch_fast = False  # set by ring_active once the attention switch is validated
         self._checked_kinds: set[str] = set()
 
     @property
@@ -75,38 +84,69 @@ class RingCache(Cache):
         """Bytes held by every layer's storage (keys, values, stored positions)."""
         return sum(layer.nbytes for layer in self.layers)
 
+    def allocate(self, batch_size: int, tokens: int, dtype: torch.dtype,
+                 device: torch.device | str | None) -> None:
+        """Allocate every layer now (rings: their window; full layers: ``tokens`` slots)."""
+        self.reserve(tokens)
+        for layer in self.layers:
+            x = torch.empty(batch_size, self.layout.num_kv_heads, 0, self.layout.head_dim,
+                            dtype=dtype, device=device)
+            layer.lazy_initialization(x, x)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's write, at the positions this forward's mask function computed."""
-        positions = self._pending
-        if positions is None or positions.shape != (key_states.shape[0], key_states.shape[2]):
+        """transformers' per-layer call after RoPE: refused unless a fresh plan awaits it."""
+        plan = self.plan
+        if plan.positions is None or layer_idx <= plan.last_layer \
+                or plan.positions.shape != (key_states.shape[0], key_states.shape[2]):
             raise RuntimeError(NOT_THROUGH_GENERATE)
-        out = self.layers[layer_idx].update(key_states, value_states, positions=positions,
-                                            padded=self.chunk_padded)
-        self._updated += 1
-        if self._updated == len(self.layers):  # every write done: its positions are spent
-            self._pending, self._updated = None, 0  # (padding stays for the last attention)
-        return out
+        return self.layers[layer_idx].update(key_states, value_states)
 
-    def start_forward(self, positions: torch.Tensor) -> None:
-        """Take ``positions`` (B, T) for the layers' writes in the forward about to run.
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """Layer ``layer_idx``'s step in this forward: write its new tokens, attend with
+        ``mask`` (what transformers hands the layer: the plan's mask for its kind)."""
+        self.plan.enter(layer_idx)
+        return self.step_layer(layer_idx, query, key, value, mask, scale)
 
-        A chunk asks once whether it holds padding (one host sync per prefill chunk, none per
-        decode step), so its layers can skip zeroing padded keys when there is none.
+    def step_layer(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """The ring path of one layer: its store's step (write, then attention)."""
+        return self.layers[layer_idx].step(query, key, value, self.plan.positions, mask, scale)
+
+    def plan_mask(self, layer_idx: int) -> torch.Tensor:
+        """The plan's mask for layer ``layer_idx``'s kind ``(B, 1, T, K)``."""
+        return self.plan.masks[self.layout.kinds[layer_idx]]
+
+    def make_plan(self, attention_mask: torch.Tensor | None, batch: int, T: int,
+                  device: torch.device) -> ForwardPlan:
+        """Fill :attr:`plan` for the forward about to run: positions, then one mask per kind.
+
+        Positions are :attr:`given_positions` when a driver set them (RingRunner), else from
+        the 2D ``attention_mask`` (what ``generate`` feeds RoPE).
         """
-        self._pending, self._updated = positions, 0
-        self.padding = positions < 0
-        self.chunk_padded = positions.shape[1] > 1 and bool(self.padding.any())
+        if self.given_positions is not None:
+            positions = self.given_positions.to(device=device, dtype=torch.int64)
+            if positions.shape != (batch, T):
+                raise ValueError(f"positions {tuple(positions.shape)} do not fit the forward's "
+                                 f"(B, T) = {(batch, T)}")
+        else:
+            seen = self.layers[0].get_seq_length()  # a tensor for a ring layer: no host sync
+            positions = positions_from_mask(attention_mask, seen, batch, T, device)
+        masks = {kind: self.layers[i].mask(positions) for kind, i in self.kind_layer.items()}
+        self.plan.fill(positions, masks)
+        return self.plan
 
     def end_forward(self) -> None:
-        """Forget the last forward's positions (a write without new ones is then refused)."""
-        self._pending, self.padding, self.chunk_padded, self._updated = None, None, False, 0
+        """Forget the last forward's plan (a write without a new one is then refused)."""
+        self.plan.clear()
+        self.given_positions = None
 
     def reserve(self, tokens: int) -> None:
         """Size the full layers for ``tokens`` at first use (they still grow past it)."""
         for layer in self.layers:
             if isinstance(layer, FullLayer) and not layer.is_initialized:
-                layer.capacity_hint = tokens
+                layer.reserve = tokens
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError(
@@ -114,29 +154,6 @@ class RingCache(Cache):
             "that beam search and assisted decoding would roll back to; use greedy or sampling")
 
     crop = reorder_cache = batch_repeat_interleave = batch_select_indices = _unsupported
-
-    # ------------------------------------------------------------------ masks
-    def new_positions(self, attention_mask: torch.Tensor | None, batch: int, T: int,
-                      device: torch.device) -> torch.Tensor:
-        """``(B, T)`` absolute positions of the new tokens (-1 = padding), from the 2D mask."""
-        seen = self.layers[0].get_seq_length()  # a tensor for a ring layer: no host sync
-        if attention_mask is None:
-            return (seen + torch.arange(T, device=device)).expand(batch, T)
-        if attention_mask.shape != (batch, int(seen) + T):
-            raise ValueError(f"attention_mask must cover every token so far: (B, seen + T) = "
-                             f"{(batch, int(seen) + T)}, got {tuple(attention_mask.shape)}")
-        mask = attention_mask.to(device=device, dtype=torch.bool)
-        positions = mask.long().cumsum(-1)[:, -T:] - 1
-        return positions.masked_fill(~mask[:, -T:], -1)
-
-    def build_mask(self, kind: str, q_positions: torch.Tensor) -> torch.Tensor:
-        """Bool ``(B, 1, T, K)`` visibility of the keys the layers of ``kind`` will return."""
-        layer = self.layers[self.kind_layer[kind]]
-        if isinstance(layer, RingLayer):
-            keys = layer.key_positions(q_positions)
-            return band_mask(q_positions, keys, layer.window, layer.sinks)[:, None]
-        slots = torch.arange(layer.seen + q_positions.shape[1], device=q_positions.device)
-        return ((slots <= q_positions[..., None]) & (q_positions[..., None] >= 0))[:, None]
 
 
 def windows_of(windows: list[int | None]) -> int | None:

@@ -1,8 +1,9 @@
 """The two kinds of layer in a RingCache: a ring per sliding layer, a growing store per full one.
 
-Both are ``transformers`` cache layers (``CacheLayerMixin``): the model calls ``update(k, v)``
-after RoPE, and the keys and values it returns are what that layer's attention reads. Positions
-come from :mod:`ringviz.hf.attention` (the mask hook counts them once per forward).
+Both are ``transformers`` cache layers (``CacheLayerMixin``). The model calls ``update(k, v)``
+after RoPE; it stores nothing and hands the new tokens on, because the write and the attention
+are one step (:meth:`RingLayer.step`, :meth:`FullLayer.step`): ringviz's attention function
+calls it with the query and the forward plan's mask (:mod:`ringviz.hf.plan`).
 """
 
 from __future__ import annotations
@@ -10,14 +11,11 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ringviz.cache import RingKVCache, chunk_key_positions, home_slots
+from ringviz.attention import masked_attention
+from ringviz.cache import RingKVCache
+from ringviz.masks import band_mask
 from ringviz.rope import Rope
-
-NOT_THROUGH_GENERATE = (
-    "a RingCache's masks must come from its stored positions, but this forward used Hugging "
-    "Face's stock masks (keys assumed in temporal order). Call ringviz.hf.generate(model, "
-    "input_ids, ...) instead of model.generate(..., cache=RingCache(model)).")
-
+from ringviz.slots import step_key_positions
 
 
 class RingLayer(CacheLayerMixin):
@@ -25,7 +23,7 @@ class RingLayer(CacheLayerMixin):
 
     ``sinks=S`` keeps each row's first ``S`` positions in ``S`` more slots (attention sinks);
     ``sink_rope`` is the ring's convention for them (None: absolute positions; a rotation:
-    StreamingLLM's positions inside the cache, applied by :meth:`attention`).
+    StreamingLLM's positions inside the cache).
     """
 
     is_sliding = True
@@ -35,7 +33,6 @@ class RingLayer(CacheLayerMixin):
         super().__init__()
         self.window, self.sinks, self.sink_rope = window, sinks, sink_rope
         self.ring: RingKVCache | None = None
-        self.q_positions: torch.Tensor | None = None  # the last update's positions (B, T)
         # tokens (columns, padding included) given so far: a 0-d tensor updated in place, so a
         # compiled decode step does not specialise (and recompile) on its value
         self.seen = torch.zeros((), dtype=torch.int64)
@@ -48,71 +45,29 @@ class RingLayer(CacheLayerMixin):
         self.seen = self.seen.to(key_states.device)
         self.is_initialized = True
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
-               positions: torch.Tensor | None = None, padded: bool = True, **kwargs
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``T`` tokens; return the keys/values their queries attend over.
+        """Hand the new tokens on to :meth:`step`, which allocates on first use and writes."""
+        return key_states, value_states
 
-        ``T == 1``: write the slot, return the ring itself (``S + window`` keys, slot order).
-        ``T > 1`` (a prefill chunk, possibly longer than the window): return
-        :meth:`RingKVCache.keys_with_chunk` (``[sinks | ring | chunk]``) as it was before the
-        write (just the chunk into an empty ring without sinks, its padded keys zeroed unless
-        ``padded=False`` says it has none), then write (a chunk's early queries still need keys
-        it overwrites).
-        """
-        if positions is None:
-            raise RuntimeError(NOT_THROUGH_GENERATE)
+    def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
+        """Bool ``(B, 1, T, K)``: which keys of :meth:`step` each query sees."""
+        stored = self.ring.positions if self.ring is not None else None
+        keys = step_key_positions(stored, q_positions, self.sinks, self.window)
+        return band_mask(q_positions, keys, self.window, self.sinks)[:, None]
+
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             positions: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """:meth:`RingKVCache.step` with the plan's mask: write, attend ``(B, Hq, T, D)``."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        ring, T = self.ring, key_states.shape[2]
-        if T == 1:
-            ring.write(key_states, value_states, positions, check=False)
-            out = ring.k, ring.v
-        elif not self.sinks and self.fresh():  # an empty ring adds W masked keys: chunk alone
-            out = key_states, value_states
-            if padded:  # 0 * NaN is NaN: zero padded keys
-                pad = (positions < 0)[:, None, :, None]
-                out = key_states.masked_fill(pad, 0.0), value_states.masked_fill(pad, 0.0)
-            ring.write(key_states, value_states, positions, check=False)
-        else:  # [ring | chunk] as RingKVCache.step's chunks attend over it
-            out = ring.keys_with_chunk(key_states, value_states, positions)[:2]
-            ring.write(key_states, value_states, positions, check=False)
-        self.seen.add_(T)
-        self.q_positions = positions
+            self.lazy_initialization(key, value)
+        out = self.ring.step(query, key, value, positions, scale=scale, check=False,
+                             mask=mask[:, 0])
+        self.seen.add_(key.shape[2])
         return out
 
-    def attention(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  mask: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of the last update's queries over the keys it returned (sink convention).
-
-        The core's own :meth:`RingKVCache.attend_keys`: with ``sink_rope``, each query scores
-        the ``S`` sink columns turned by ``p - min(p, S + W - 1)``.
-        """
-        return self.ring.attend_keys(query, self.q_positions, keys, values, mask, scale)
-
-    def fresh(self) -> bool:
-        """True before the first token (a host sync: asked only for prefill chunks)."""
-        return self.ring is None or int(self.seen) == 0
-
-    def key_positions(self, q_positions: torch.Tensor) -> torch.Tensor:
-        """``(B, K)`` position of each key :meth:`update` will return for these queries."""
-        S, n = self.sinks, self.sinks + self.window
-        chunk = q_positions.shape[1] > 1
-        if chunk and not S and self.fresh():  # the chunk alone, into an empty ring
-            return q_positions
-        before = self.ring.positions if self.ring is not None else torch.full(
-            (q_positions.shape[0], n), -1, dtype=torch.int64, device=q_positions.device)
-        if chunk:  # [sinks | ring | chunk], as RingKVCache.keys_with_chunk returns them
-            return chunk_key_positions(before, q_positions, S)
-        q = q_positions  # (B, 1): its slot now holds it, as RingKVCache.write puts it
-        home = home_slots(q, S, self.window)  # (B, 1)
-        return torch.where(torch.arange(n, device=before.device) == home, q, before)
-
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if query_length == 1:
-            return self.sinks + self.window, 0
-        fresh = not self.sinks and self.fresh()
-        return (0 if fresh else self.sinks + self.window) + query_length, 0
+        return self.sinks + self.window + (query_length if query_length > 1 else 0), 0
 
     def get_seq_length(self) -> torch.Tensor:
         return self.seen
@@ -134,8 +89,9 @@ class FullLayer(CacheLayerMixin):
     """A full-attention layer: row ``b``'s token at position ``p`` lives in slot ``p``.
 
     Storage grows by doubling (amortised O(1) per token, never a copy of the whole history per
-    step); one spare slot past the end takes padding writes. Slot ``j`` holds position ``j``, so
-    the stored positions are implicit and a query at ``p`` sees slots ``0..p``.
+    step); one spare slot past the end takes padding writes. Slot ``j`` holds position ``j``:
+    a row's positions count its real tokens (``0, 1, 2, ...`` after its padding), so they never
+    pass its column, the stored positions are implicit, and a query at ``p`` sees ``0..p``.
     """
 
     is_sliding = False
@@ -143,9 +99,9 @@ class FullLayer(CacheLayerMixin):
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen = 0
-        self.capacity = 0
-        self.capacity_hint = 0  # tokens to allocate for at first use (set by generate)
+        self.seen = 0  # columns given so far (padding included)
+        self.allocated = 0  # slots per row in storage (the spare slot aside)
+        self.reserve = 0  # slots to allocate at first use (set by generate and RingRunner)
         self._k_store: torch.Tensor | None = None
         self._v_store: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None  # (B,) row indices, made with the storage
@@ -153,41 +109,49 @@ class FullLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, T, D = key_states.shape
         self._allocate(key_states.new_zeros(B, H, 0, D), value_states.new_zeros(B, H, 0, D),
-                       max(self.capacity_hint, T))
+                       max(self.reserve, T))
         self.is_initialized = True
 
-    def _allocate(self, k_old: torch.Tensor, v_old: torch.Tensor, capacity: int) -> None:
+    def _allocate(self, k_old: torch.Tensor, v_old: torch.Tensor, slots: int) -> None:
         B, H, n, D = k_old.shape
-        self._k_store = k_old.new_zeros(B, H, capacity + 1, D)  # + the spare slot
-        self._v_store = v_old.new_zeros(B, H, capacity + 1, v_old.shape[3])
+        self._k_store = k_old.new_zeros(B, H, slots + 1, D)  # + the spare slot
+        self._v_store = v_old.new_zeros(B, H, slots + 1, v_old.shape[3])
         self._k_store[:, :, :n] = k_old
         self._v_store[:, :, :n] = v_old
-        self.capacity = capacity
-        self.keys, self.values = self._k_store[:, :, :capacity], self._v_store[:, :, :capacity]
+        self.allocated = slots
+        self.keys, self.values = self._k_store[:, :, :slots], self._v_store[:, :, :slots]
         self._rows = torch.arange(B, device=k_old.device)  # row index of a decode write
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
-               positions: torch.Tensor | None = None, **kwargs
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write ``T`` tokens at slots = their positions; return slots ``0 .. seen+T-1``."""
-        if positions is None:
-            raise RuntimeError(NOT_THROUGH_GENERATE)
+        """Hand the new tokens on to :meth:`step`, which allocates on first use and writes."""
+        return key_states, value_states
+
+    def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
+        """Bool ``(B, 1, T, seen + T)``: slot ``j`` (position ``j``) visible to queries ``>= j``."""
+        slots = torch.arange(self.seen + q_positions.shape[1], device=q_positions.device)
+        return ((slots <= q_positions[..., None]) & (q_positions[..., None] >= 0))[:, None]
+
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             positions: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """Write ``T`` tokens at slots = their positions, then attend over slots ``0..seen+T-1``."""
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        B, H, T, D = key_states.shape
-        need = self.seen + T  # positions never exceed column indices, so slots stay < need
-        if need > self.capacity:
+            self.lazy_initialization(key, value)
+        B, H, T, D = key.shape
+        need = self.seen + T  # positions never pass column indices, so slots stay < need
+        if need > self.allocated:
             self._allocate(self.keys[:, :, :self.seen], self.values[:, :, :self.seen],
-                           max(need, 2 * self.capacity))
-        slot = torch.where(positions >= 0, positions, self.capacity)  # (B, T); spare for pads
+                           max(need, 2 * self.allocated))
+        slot = torch.where(positions >= 0, positions, self.allocated)  # (B, T); spare for pads
         if T == 1:
-            self._k_store[self._rows, :, slot[:, 0]] = key_states[:, :, 0]
-            self._v_store[self._rows, :, slot[:, 0]] = value_states[:, :, 0]
+            self._k_store[self._rows, :, slot[:, 0]] = key[:, :, 0]
+            self._v_store[self._rows, :, slot[:, 0]] = value[:, :, 0]
         else:
-            self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key_states)
-            self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value_states)
+            self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key)
+            self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value)
         self.seen = need
-        return self._k_store[:, :, :need], self._v_store[:, :, :need]
+        return masked_attention(query, self._k_store[:, :, :need], self._v_store[:, :, :need],
+                                mask[:, 0], scale=scale, empty=positions < 0)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.seen + query_length, 0

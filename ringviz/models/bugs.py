@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import torch
 
+from ringviz.cache import RingKVCache
+from ringviz.hf.config import read_layout
 from ringviz.models.drive import RingRunner, ring_generate, ring_logits
 from ringviz.models.reference import reference_greedy, reference_logits
 from ringviz.models.text import eval_tokens
 from ringviz.rope import apply_rope
 
 DIVERGENCE_TOL = 1e-2  # |dlogit| above this counts as diverged (float32 ring noise is ~1e-4)
-
-
-def rope_theta(config, layer_type: str = "sliding_attention") -> float:
-    """RoPE base of a layer type (Gemma 3 keeps one per type, Llama one for all)."""
-    params = config.rope_parameters
-    return float(params[layer_type]["rope_theta"] if layer_type in params else params["rope_theta"])
 
 
 class SlotRopeRunner(RingRunner):
@@ -43,7 +39,7 @@ class SlotRopeRunner(RingRunner):
 
     def attend(self, layer, q, k, v, positions, scale):
         cache = self.caches[layer]
-        theta = rope_theta(self.model.config)
+        theta = read_layout(self.model).rope_theta("sliding")
         k_slot = apply_rope(k, positions % cache.window - positions, theta)  # (B, Hkv, T, D)
         return cache.step(q, k_slot, v, positions, scale=scale)
 
@@ -67,8 +63,10 @@ class SharedRingRunner(RingRunner):
     are switched off (``check=False``), as in a trusted hot loop.
     """
 
-    def __init__(self, model, batch_size, window, capacity):
-        super().__init__(model, 1, window, capacity)
+    def _stores(self):  # one ring of batch size 1 per layer, whatever the batch
+        layout, param = read_layout(self.model), next(self.model.parameters())
+        return [RingKVCache(1, layout.num_kv_heads, w, layout.head_dim, dtype=param.dtype,
+                            device=param.device) for w in self.windows]
 
     def attend(self, layer, q, k, v, positions, scale):
         cache = self.caches[layer]

@@ -1,4 +1,4 @@
-"""The ring decode path on a real model: Hugging Face's layers, ringviz's ``RingKVCache``.
+"""The ring decode path on a real model, teacher-forced: :class:`RingRunner` drives ringviz.hf.
 
 Hugging Face computes everything around attention (embeddings, RMSNorm, q/k/v projections,
 RoPE at the positions we pass, MLP, logits) with its own modules, so the ring path and an HF
@@ -8,202 +8,123 @@ them: HF's float32 norm alone makes a decode and a full forward differ by ~1e-8)
 tolerances of the tests and chapters (<= 1e-10) assume the reference runs attention through
 PyTorch SDPA (``attn_implementation="sdpa"``, what ``load_model`` sets): HF's "eager"
 attention takes its softmax in float32 even in float64 models, so an eager reference differs
-by ~1e-7 (8.5e-8 measured, vs 5.6e-17 for sdpa). What HF hands to attention is the new tokens'
-rotated ``q``, ``k``, ``v``; we register an attention function under the name
-``"ringviz_ring"`` that sends them to the layer's ring::
+by ~1e-7 (8.5e-8 measured, vs 5.6e-17 for sdpa).
 
-    q, k, v (rotated at absolute positions) -> RingKVCache.step -> write slot pos % W
-                                              -> mask from stored positions -> attention
+A runner is a :class:`ringviz.hf.RingCache` (the one integration with transformers: one
+attention function, rings for sliding layers, growing full layers) fed explicit positions::
 
-No Hugging Face cache is built (``use_cache=False``) and no HF mask is made (masks come from the
-ring's stored positions), so the ring is the only KV state. Sliding layers get a ring of
-capacity ``window``; a full-attention layer (Gemma 3's 5, 11, 17) gets a ``RingKVCache`` whose
-capacity covers the whole run, so it never wraps: a preallocated full cache. A position at or
-past ``capacity`` is refused before any layer is written (past it a full layer would silently
-become a sliding one).
+    runner.forward(ids, positions) -> cache plan (positions, masks per kind) -> HF layers:
+        q, k, v (RoPE at positions) -> runner.attend -> layer step: ring write -> attention
 
-Prompts are fed in chunks (:meth:`RingRunner.prefill`, default chunk = the smallest window), so
-a prefill's attention scores and activations are bounded by the chunk, not the prompt; the ring
-is exact for any chunk schedule. A forward stopped after some layers wrote (an exception, or
-Ctrl-C in a notebook) leaves the layers out of step: the runner then refuses every call until
-:meth:`RingRunner.reset`, rather than decode from a cache whose layers disagree.
+so every model ``ringviz.hf`` serves, the runner serves, with the same numbers. Its stores are
+allocated up front: a ring per sliding layer, and per full-attention layer (Gemma 3's 5, 11,
+17) slots for ``capacity`` positions. A position at or past ``capacity`` is refused before any
+layer is written. Prompts are fed in chunks (:meth:`RingRunner.prefill`, default
+:data:`ringviz.hf.PREFILL_CHUNK`, ``generate``'s); the ring is exact for any chunk schedule. A
+forward stopped after some layers wrote (an exception, or Ctrl-C in a notebook) leaves the
+layers out of step: the runner then refuses every call until :meth:`RingRunner.reset`, rather
+than decode from a cache whose layers disagree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import torch
 
 from ringviz.cache import RingKVCache
-from ringviz.checks import check_int
-from ringviz.models.sinks import model_sink_rope
-
-ATTN_NAME = "ringviz_ring"
-
-
-def _ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
-                    dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """HF attention-interface entry: route one layer's q/k/v through the runner's ring."""
-    runner: RingRunner = kwargs["ring_runner"]
-    positions = kwargs["position_ids"]  # (B, T) absolute, -1 = padding
-    out = runner.attend(module.layer_idx, query, key, value, positions, scaling)  # (B, Hq, T, D)
-    return out.transpose(1, 2), None  # HF expects (B, T, Hq, D)
+from ringviz.checks import check_int, sink_convention_from
+from ringviz.hf.attention import ring_active, shares_one_config
+from ringviz.hf.cache import RingCache
+from ringviz.hf.generation import PREFILL_CHUNK
+from ringviz.hf.layers import FullLayer, RingLayer
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
+class _DrivenCache(RingCache):
+    """A RingCache whose layer steps go through its runner's :meth:`RingRunner.attend`."""
 
-    AttentionInterface.register(ATTN_NAME, _ring_attention)
+    def __init__(self, runner: RingRunner, model, **kwargs) -> None:
+        super().__init__(model, **kwargs)
+        self.runner = runner
 
-
-@contextmanager
-def attention_implementation(model, name: str, *, one_config: bool = False) -> Iterator[None]:
-    """Switch the model's attention implementation for a block, then restore it.
-
-    ``set_attn_implementation`` validates the name and walks every module: 0.42 ms a call on
-    Gemma 3 (measured, CPU), twice per ring forward. With ``one_config=True`` (every module
-    reads ``model.config`` itself, see :func:`shares_one_config`; the name validated once
-    already) the switch is the one config attribute ``set_attn_implementation`` itself sets.
-    """
-    before = model.config._attn_implementation
-
-    def switch(impl: str) -> None:
-        if one_config:
-            model.config._attn_implementation_internal = impl
-        else:
-            model.set_attn_implementation(impl)
-
-    switch(name)
-    try:
-        yield
-    finally:
-        switch(before)
-
-
-def shares_one_config(model) -> bool:
-    """True when every module reads ``model.config`` itself and it has no sub-configs."""
-    config = model.config
-    return not config.sub_configs and all(
-        getattr(module, "config", config) is config for module in model.modules())
-
-
-LAYER_KINDS = {"full_attention": "full", "sliding_attention": "sliding"}  # HF layer types
-
-
-def layer_kinds(config) -> list[str]:
-    """Per layer, which mask transformers builds for it: ``"full"`` or ``"sliding"``."""
-    types = getattr(config, "layer_types", None)
-    if types is None:  # Llama/Mistral-style: one kind for all layers, set by sliding_window
-        kind = "sliding" if getattr(config, "sliding_window", None) is not None else "full"
-        return [kind] * config.num_hidden_layers
-    unknown = sorted(set(types) - LAYER_KINDS.keys())
-    if unknown:
-        raise ValueError(f"layer types {unknown} are not supported (only {sorted(LAYER_KINDS)})")
-    return [LAYER_KINDS[t] for t in types]
-
-
-def layer_windows(model, window: int | None) -> list[int | None]:
-    """Per layer: the window of its ring, or None for a full layer that keeps every token.
-
-    A model with sliding layers (Gemma 3, Mistral) keeps its split, the sliding layers using
-    ``window`` (default: the model's own). A model with none (Llama/SmolLM2, Qwen2 without
-    sliding) gets ``window`` imposed on every layer; it must be given.
-    """
-    config = model.config
-    kinds = layer_kinds(config)
-    native = "sliding" in kinds
-    if window is None:
-        if not native:
-            raise ValueError(f"{config.model_type} has no native sliding window: pass window=W")
-        window = config.sliding_window
-    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
-        raise ValueError(f"window must be a positive int, got {window!r}")
-    return [window if kind == "sliding" or not native else None for kind in kinds]
-
-
-SINK_ROPES = (None, "cache")  # RingRunner's sink conventions: absolute, StreamingLLM's
-
-
-def check_sinks(sinks: object, sink_rope: object) -> int:
-    """Return ``sinks`` as an int if ``(sinks, sink_rope)`` is a valid choice; raise otherwise.
-
-    What :class:`RingRunner` and ``ringviz.hf.RingCache`` accept: ``sinks`` an int >= 0 and
-    ``sink_rope`` one of :data:`SINK_ROPES`, ``"cache"`` only with ``sinks >= 1``.
-    """
-    sinks = check_int("sinks", sinks, minimum=0)
-    if sink_rope not in SINK_ROPES:
-        raise ValueError(f"sink_rope must be one of {SINK_ROPES}, got {sink_rope!r}")
-    if sink_rope is not None and sinks == 0:
-        raise ValueError(f"sink_rope={sink_rope!r} turns sink keys: it needs sinks >= 1")
-    return sinks
+    def step_layer(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        return self.runner.attend(layer_idx, query, key, value, self.plan.positions, scale)
 
 
 class RingRunner:
-    """One model's KV state in ``RingKVCache`` objects, one per layer, for a batch of rows.
+    """One model's KV state for a batch of rows: a :class:`ringviz.hf.RingCache`, fed explicit
+    positions (teacher forcing, ragged left-padded batches, chunked prefill).
 
-    ``sinks=S`` keeps each row's first ``S`` positions in every sliding layer beside its ring
-    (full-attention layers keep everything anyway). ``sink_rope=None`` scores them at their
-    absolute positions; ``sink_rope="cache"`` uses StreamingLLM's positions inside the cache,
-    the sink keys turned by the model's own rotary embedding for that layer's type
-    (:func:`ringviz.models.sinks.model_sink_rope`: Gemma 3's local base, not the global one).
+    ``capacity``: the positions the run may reach, ``0 .. capacity-1`` (it sizes the full
+    layers). ``sinks=S`` keeps each row's first ``S`` positions in every ring beside its window
+    (full-attention layers keep everything anyway). ``sink_convention="absolute"`` scores them
+    at their own positions; ``"cache"`` uses StreamingLLM's positions inside the cache,
+    the sink keys turned by the model's own rotary embedding
+    (:func:`ringviz.hf.rotary.model_sink_rope`: Gemma 3's local base, not the global one).
+    ``caches[i]`` is layer i's store: a :class:`RingKVCache` (ring) or a ``FullLayer``.
     """
 
     def __init__(self, model, batch_size: int, window: int | None, capacity: int, *,
-                 sinks: int = 0, sink_rope: str | None = None) -> None:
-        """``capacity``: positions the run may reach, 0 .. capacity-1 (sizes the full layers)."""
+                 sinks: int = 0, sink_convention: str = "absolute",
+                 sink_rope: str | None = None) -> None:
+        """``sink_rope=None | "cache"``: the deprecated spelling of ``sink_convention``."""
         self.capacity = check_int("capacity", capacity)
-        self.sinks = check_sinks(sinks, sink_rope)
-        self.sink_rope = sink_rope
-        _register()
-        with attention_implementation(model, ATTN_NAME):  # validates the name once
-            pass
-        self.one_config = shares_one_config(model)  # then every forward switches cheaply
-        config = model.config
+        self.batch_size = check_int("batch_size", batch_size)
         self.model = model
-        self.windows = layer_windows(model, window)
-        param = next(model.parameters())
-        rope = model_sink_rope(model, "sliding_attention") if sink_rope == "cache" else None
-        self.caches = [
-            RingKVCache(batch_size, config.num_key_value_heads, w or capacity, config.head_dim,
-                        sinks=self.sinks if w else 0, sink_rope=rope if w else None,
-                        dtype=param.dtype, device=param.device)
-            for w in self.windows
-        ]
-        # default prefill chunk: the smallest ring, so a chunk's scores are at most (W, 2W)
-        self.prefill_chunk = min(w or capacity for w in self.windows)
+        sink_convention = sink_convention_from(sink_convention, sink_rope)
+        self.cache = _DrivenCache(self, model, window=window, sinks=sinks,
+                                  sink_convention=sink_convention)
+        self.sinks, self.sink_convention = self.cache.sinks, sink_convention
+        self.windows = self.cache.windows
+        self.one_config = shares_one_config(model)  # then every forward switches cheaply
+        self.caches = self._stores()
+        self.prefill_chunk = PREFILL_CHUNK
+        self._full = any(isinstance(c, FullLayer) for c in self.caches)
+        self._next = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
         self._mid_step = False  # True from a layer's first write until its forward completes
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _stores(self) -> list:
+        """Every layer's store, allocated now (bug and draft variants bring their own)."""
+        param = next(self.model.parameters())
+        self.cache.allocate(self.batch_size, self.capacity, param.dtype, param.device)
+        return [layer.ring if isinstance(layer, RingLayer) else layer
+                for layer in self.cache.layers]
+
+    def _first_ring(self) -> RingKVCache:
+        return next(c for c in self.caches if isinstance(c, RingKVCache))
+
     def reset(self) -> None:
-        """Empty every layer's cache: the way back after an interrupted forward."""
-        for cache in self.caches:
-            cache.reset()
+        """Empty every layer's store: the way back after an interrupted forward."""
+        for store in (*self.cache.layers, *self.caches):
+            store.reset()
+        self._next.zero_()
         self._mid_step = False
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by all layers' caches (k, v and positions)."""
-        return sum(cache.nbytes for cache in self.caches)
+        """Bytes held by all layers' stores (k, v and positions)."""
+        return sum(c.nbytes for c in self.caches)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                positions: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention for one layer: write into its ring and attend (bugs.py overrides this).
+        """Attention for one layer: write its new tokens and attend (bugs.py overrides this).
 
         Every layer of one forward gets the same positions and shapes, and all rings advance
         together, so validating at layer 0 (before anything is written) covers them all and
         spares the other layers the host sync. From the first write on, the runner counts as
         mid-step until the forward returns (see :meth:`forward`).
         """
-        cache = self.caches[layer]
         if layer == 0:
-            cache.check_step(q, k, v, positions, scale=scale)  # a refusal writes nothing
+            self._first_ring().check_step(q, k, v, positions, scale=scale)  # writes nothing
         self._mid_step = True
-        return cache.step(q, k, v, positions, scale=scale, check=False)
+        return RingCache.step_layer(self.cache, layer, q, k, v, self.cache.plan_mask(layer), scale)
 
     def _check_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Refuse a call on a runner left mid-step, mismatched shapes, positions past capacity."""
+        """Refuse a call on a runner left mid-step, mismatched shapes, positions past capacity,
+        and (with full-attention layers, whose slot is the position) positions with gaps."""
         if self._mid_step:
             raise RuntimeError(
                 "the ring cache was left mid-step: an earlier forward stopped (an exception or "
@@ -221,6 +142,16 @@ class RingRunner:
                              f"{self.capacity} (positions 0..{self.capacity - 1}): its full-"
                              f"attention layers would drop tokens; make a RingRunner with a "
                              f"larger capacity")
+        if self._full and positions.ndim == 2 and positions.shape[0] == self.batch_size:
+            real = positions >= 0
+            expect = self._next.to(positions.device)[:, None] + real.cumsum(dim=1) - 1
+            bad = real & (positions != expect)
+            if bool(bad.any()):
+                b = int(bad.nonzero()[0, 0])
+                raise ValueError(f"row {b}: a full-attention layer stores position p in slot "
+                                 f"p, so positions must continue the row at "
+                                 f"{int(self._next[b])}, one per real token (-1 = padding); "
+                                 f"got {positions[b].tolist()}")
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *,
@@ -231,16 +162,18 @@ class RingRunner:
         all). Nothing is written when the call is refused.
         """
         self._check_call(input_ids, positions)
-        with attention_implementation(self.model, ATTN_NAME, one_config=self.one_config):
-            out = self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                             logits_to_keep=logits_to_keep, ring_runner=self)
+        self.cache.given_positions = positions
+        with ring_active(self.model, self.cache, fast_switch=self.one_config):
+            out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache,
+                             use_cache=True, logits_to_keep=logits_to_keep)
         self._mid_step = False  # every layer wrote this forward's tokens
+        self._next += (positions >= 0).sum(dim=1).to(self._next.device)
         return out.logits
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, *,
                 chunk: int | None = None, last_only: bool = False) -> torch.Tensor:
-        """Feed a ``(B, T)`` prompt in column chunks of ``chunk`` (default: the smallest window).
+        """Feed a ``(B, T)`` prompt in column chunks of ``chunk`` (default :attr:`prefill_chunk`).
 
         Equal to one forward over the whole prompt (the ring is exact for any chunking), but
         the attention scores and activations held at once scale with the chunk, not with T.
@@ -253,7 +186,7 @@ class RingRunner:
         T = positions.shape[1]
         if T <= chunk:  # one chunk: forward's own layer-0 check covers it
             return self.forward(input_ids, positions, logits_to_keep=1 if last_only else 0)
-        self.caches[0].check_positions(positions)  # all chunks, before the first write
+        self._first_ring().check_positions(positions)  # all chunks, before the first write
         out = None
         for s in range(0, T, chunk):
             logits = self.forward(input_ids[:, s:s + chunk], positions[:, s:s + chunk],

@@ -14,7 +14,9 @@ import time
 
 import torch
 
-from ringviz.models.drive import RingRunner, layer_windows, ring_logits
+from ringviz.checks import check_int
+from ringviz.hf.config import layer_windows, read_layout
+from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import get_spec, load_model
 from ringviz.models.reference import has_native_window, native_window, reference_logits
 from ringviz.models.text import eval_tokens
@@ -40,9 +42,9 @@ def full_cache_bytes(model, batch: int, length: int) -> int:
 
     2 (k and v) x layers x batch x n_kv_heads x length x head_dim x bytes per element.
     """
-    c = model.config
+    c = read_layout(model)
     itemsize = next(model.parameters()).element_size()
-    return 2 * c.num_hidden_layers * batch * c.num_key_value_heads * length * c.head_dim * itemsize
+    return 2 * len(c.kinds) * batch * c.num_kv_heads * length * c.head_dim * itemsize
 
 
 def compare(ring: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
@@ -57,11 +59,9 @@ def _check_args(model: str, prompt_tokens: int, new_tokens: int, batch: int, dty
     get_spec(model)
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    for name, value in (("prompt_tokens", prompt_tokens), ("batch", batch)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
-        raise ValueError(f"new_tokens must be an int >= 0, got {new_tokens!r}")
+    check_int("prompt_tokens", prompt_tokens)
+    check_int("batch", batch)
+    check_int("new_tokens", new_tokens, minimum=0)
 
 
 def compare_model(lm, tokenizer, *, window: int | None, prompt_tokens: int, new_tokens: int,

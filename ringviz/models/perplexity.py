@@ -15,16 +15,21 @@ import time
 
 import torch
 
+from ringviz.checks import check_int
 from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import load_model
 from ringviz.models.reference import has_native_window, reference_logits
 from ringviz.models.text import eval_tokens
 
 
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token loss ``-log p(target)`` in float64: ``logits`` (L, vocab), ``targets`` (L,)."""
+    return -torch.log_softmax(logits.double(), dim=-1).gather(1, targets[:, None])[:, 0]
+
+
 def nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Per-token negative log-likelihood ``(L-1,)`` of ``ids[1:]`` under ``logits[:-1]``."""
-    logp = torch.log_softmax(logits[:-1].double(), dim=-1)  # (L-1, vocab)
-    return -logp.gather(1, ids[1:, None])[:, 0]
+    return token_nll(logits[:-1], ids[1:])
 
 
 def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
@@ -49,13 +54,13 @@ def ring_check(model, ids: torch.Tensor, window: int, *, progress: bool = False)
 
 
 def _check(windows: list[int], sinks: list[int], tokens: int) -> None:
-    if not windows or any(isinstance(w, bool) or not isinstance(w, int) or w <= 0
-                          for w in windows):
-        raise ValueError(f"windows must be positive ints, got {windows!r}")
-    if not sinks or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in sinks):
-        raise ValueError(f"sinks must be ints >= 0, got {sinks!r}")
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 2:
-        raise ValueError(f"tokens must be an int >= 2, got {tokens!r}")
+    if not windows or not sinks:
+        raise ValueError(f"windows and sinks must be non-empty, got {windows!r}, {sinks!r}")
+    for w in windows:
+        check_int("window", w)
+    for s in sinks:
+        check_int("sinks", s, minimum=0)
+    check_int("tokens", tokens, minimum=2)
 
 
 def run_perplexity(model: str, windows: list[int], sinks: list[int], tokens: int) -> dict:

@@ -15,6 +15,9 @@ from contextlib import contextmanager
 
 import torch
 
+from ringviz.checks import check_int
+from ringviz.hf.config import KIND_TYPES, read_layout
+
 
 def band_bias(length: int, window: int | None, sinks: int = 0, *, dtype: torch.dtype,
               device: torch.device | str | None = None) -> torch.Tensor:
@@ -50,8 +53,8 @@ def native_window(model, window: int | None) -> Iterator[int | None]:
 
 
 def has_native_window(model) -> bool:
-    """True when the model's own layers use a sliding window (Gemma 3), False for Llama."""
-    return "sliding_attention" in (getattr(model.config, "layer_types", None) or [])
+    """True when the model's own layers slide (Gemma 3, Mistral), False for Llama."""
+    return read_layout(model).has_native_window
 
 
 @torch.no_grad()
@@ -64,22 +67,24 @@ def reference_logits(model, ids: torch.Tensor, window: int | None, sinks: int = 
     """
     if ids.ndim != 1:
         raise ValueError(f"ids must be one sequence (L,), got shape {tuple(ids.shape)}")
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+    sinks = check_int("sinks", sinks, minimum=0)
     positions = torch.arange(len(ids), device=ids.device)[None]
     dtype = next(model.parameters()).dtype
 
     def bias(w: int | None, s: int) -> torch.Tensor:
         return band_bias(len(ids), w, s, dtype=dtype, device=ids.device)
 
-    if not has_native_window(model):
+    layout = read_layout(model)
+    if not layout.has_native_window:
         mask = bias(window, sinks)
     elif sinks == 0:
         with native_window(model, window):
             return model(input_ids=ids[None], position_ids=positions, use_cache=False).logits[0]
-    else:
-        mask = {"full_attention": bias(None, 0),
-                "sliding_attention": bias(window or model.config.sliding_window, sinks)}
+    else:  # one mask per kind: a dict where the model has both, else the one tensor
+        by_kind = {"full": bias(None, 0), "sliding": bias(window or layout.native_window, sinks)}
+        kinds = dict.fromkeys(layout.kinds)
+        mask = ({KIND_TYPES[k]: by_kind[k] for k in kinds} if len(kinds) > 1
+                else by_kind[next(iter(kinds))])
     out = model(input_ids=ids[None], attention_mask=mask, position_ids=positions, use_cache=False)
     return out.logits[0]
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from ringviz.models.bugs import rope_theta
+from ringviz.hf.config import KIND_TYPES, read_layout
 from ringviz.models.drive import RingRunner
-from ringviz.rope import apply_rope, rotate_half
+from ringviz.rope import apply_rope, rotate
 
 
 class DoubleRopeRunner(RingRunner):
@@ -31,7 +31,8 @@ class DoubleRopeRunner(RingRunner):
     """
 
     def attend(self, layer, q, k, v, positions, scale):
-        k_twice = apply_rope(k, positions, rope_theta(self.model.config))  # (B, Hkv, T, D)
+        theta = read_layout(self.model).rope_theta("sliding")
+        k_twice = apply_rope(k, positions, theta)  # (B, Hkv, T, D)
         return self.caches[layer].step(q, k_twice, v, positions, scale=scale, check=layer == 0)
 
 
@@ -64,13 +65,8 @@ class BatchCounterRunner(RingRunner):
 
 def rope_bases(model) -> dict[str, float]:
     """RoPE base per layer type, from the config the model's rotary module was built with."""
-    types = getattr(model.config, "layer_types", None) or ["full_attention"]
-    return {t: rope_theta(model.config, t) for t in dict.fromkeys(types)}
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's rotation ``x cos + rotate_half(x) sin``; ``-sin`` undoes it."""
-    return x * cos + rotate_half(x) * sin
+    layout = read_layout(model)
+    return {KIND_TYPES[kind]: layout.rope_theta(kind) for kind in dict.fromkeys(layout.kinds)}
 
 
 class OneBaseRunner(RingRunner):
@@ -94,5 +90,5 @@ class OneBaseRunner(RingRunner):
         if self.windows[layer] is not None:  # a sliding (local) layer
             cos_l, sin_l = self._cos_sin(q, positions, "sliding_attention")
             cos_g, sin_g = self._cos_sin(q, positions, "full_attention")
-            q, k = (_rotate(_rotate(x, cos_l, -sin_l), cos_g, sin_g) for x in (q, k))
+            q, k = (rotate(rotate(x, cos_l, -sin_l), cos_g, sin_g) for x in (q, k))
         return super().attend(layer, q, k, v, positions, scale)

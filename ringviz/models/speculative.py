@@ -17,25 +17,35 @@ from collections.abc import Callable
 
 import torch
 
+from ringviz.checks import check_int
+from ringviz.hf.config import read_layout
 from ringviz.models.drive import RingRunner
 from ringviz.speculative import DraftRing
 
 
 class DraftRunner(RingRunner):
     """A ``RingRunner`` whose layers hold ``engine`` rings: ``forward`` prefills, then
-    :meth:`verify` and :meth:`commit` per cycle."""
+    :meth:`verify` and :meth:`commit` per cycle.
+
+    Every layer's store is an engine (a full layer's: a ring of ``capacity`` that never wraps),
+    allocated once; the runner's own stores are never made. No attention sinks: a draft engine
+    has none.
+    """
 
     def __init__(self, model, engine: type[DraftRing], window: int | None, max_draft: int,
                  capacity: int, batch_size: int = 1) -> None:
+        self.engine, self.max_draft = engine, check_int("max_draft", max_draft)
         super().__init__(model, batch_size, window, capacity)
-        param, config = next(model.parameters()), model.config
-        self.max_draft = max_draft
-        self.caches = [  # replace the plain rings; a full layer's ring never wraps
-            engine(batch_size, config.num_key_value_heads, w or capacity, config.head_dim,
-                   max_draft, dtype=param.dtype, device=param.device)
-            for w in self.windows
-        ]
         self._verifying = False
+
+    def _stores(self) -> list[DraftRing]:
+        param, layout = next(self.model.parameters()), read_layout(self.model)
+        return [self.engine(self.batch_size, layout.num_kv_heads, w or self.capacity,
+                            layout.head_dim, self.max_draft, dtype=param.dtype,
+                            device=param.device) for w in self.windows]
+
+    def _first_ring(self):
+        return self.caches[0].cache  # the engines check their own positions
 
     def attend(self, layer, q, k, v, positions, scale):
         ring = self.caches[layer]

@@ -22,13 +22,14 @@ import time
 
 import torch
 
+from ringviz.checks import SINK_CONVENTIONS, check_int
+from ringviz.hf.rotary import float64_rope_angles
 from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import load_model
+from ringviz.models.perplexity import token_nll
 from ringviz.models.reference import reference_logits
-from ringviz.models.sinks import float64_rope_angles, streaming_llm_logits
+from ringviz.models.sinks import streaming_llm_logits
 from ringviz.models.text import eval_text
-
-CONVENTIONS = {"absolute": None, "cache": "cache"}
 
 
 def long_tokens(tokenizer, n: int) -> tuple[torch.Tensor, int]:
@@ -43,14 +44,13 @@ def stream_nll(model, ids: torch.Tensor, window: int, sinks: int, convention: st
                chunk: int = 256) -> torch.Tensor:
     """Per-token loss ``(L-1,)`` of ``ids[1:]``, fed through the ring ``chunk`` tokens a call."""
     runner = RingRunner(model, 1, window, capacity=len(ids), sinks=sinks,
-                        sink_rope=CONVENTIONS[convention] if sinks else None)
+                        sink_convention=convention if sinks else "absolute")
     out = []
     for s in range(0, len(ids) - 1, chunk):
         e = min(s + chunk, len(ids) - 1)
         pos = torch.arange(s, e, device=ids.device)[None]
         logits = runner.forward(ids[None, s:e], pos)[0]  # (e - s, vocab)
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        out.append(-logp.gather(1, ids[s + 1:e + 1, None])[:, 0])
+        out.append(token_nll(logits, ids[s + 1:e + 1]))
     return torch.cat(out)
 
 
@@ -62,7 +62,7 @@ def binned(nll: torch.Tensor, bin_size: int) -> list[float]:
 def settings(windows: list[int], sinks: list[int]) -> list[tuple[int, int, str]]:
     """(W, S, convention) for every W and S; S = 0 has one convention (nothing to move)."""
     return [(w, s, c) for w in windows for s in sinks
-            for c in (["absolute"] if s == 0 else list(CONVENTIONS))]
+            for c in (["absolute"] if s == 0 else list(SINK_CONVENTIONS))]
 
 
 def run_check(name: str, window: int = 8, sinks: int = 4, n: int = 40) -> dict:
@@ -74,14 +74,14 @@ def run_check(name: str, window: int = 8, sinks: int = 4, n: int = 40) -> dict:
     ids, _ = long_tokens(tokenizer, n)
     out = {"window": window, "sinks": sinks, "tokens": n}
     with float64_rope_angles(model):
-        for conv in CONVENTIONS:
+        for conv in SINK_CONVENTIONS:
             runner = RingRunner(model, 1, window, capacity=n, sinks=sinks,
-                                sink_rope=CONVENTIONS[conv])
+                                sink_convention=conv)
             ring = ring_logits(runner, [ids], [17])[0]
             ref = (reference_logits(model, ids, window, sinks) if conv == "absolute"
                    else streaming_llm_logits(model, ids, window, sinks))
             out[f"{conv}_max_abs_logit_diff"] = float((ring - ref).abs().max())
-    runner = RingRunner(model, 1, window, capacity=n, sinks=sinks, sink_rope="cache")
+    runner = RingRunner(model, 1, window, capacity=n, sinks=sinks, sink_convention="cache")
     ring = ring_logits(runner, [ids], [17])[0]
     ref = streaming_llm_logits(model, ids, window, sinks)
     out["cache_max_abs_logit_diff_hf_float32_angles"] = float((ring - ref).abs().max())
@@ -118,8 +118,7 @@ def run_streaming(model: str = "smollm2", windows: tuple[int, ...] = (64, 256, 1
     ``past_extra=0`` skips the decode past the context (Gemma 3's 32,768 positions are more
     than a CPU run can afford).
     """
-    if isinstance(past_extra, bool) or not isinstance(past_extra, int) or past_extra < 0:
-        raise ValueError(f"past_extra must be an int >= 0, got {past_extra!r}")
+    check_int("past_extra", past_extra, minimum=0)
     t0 = time.perf_counter()
     result = {"model": model, "check": run_check(model)}
     lm, tokenizer = load_model(model)

@@ -9,6 +9,8 @@ from importlib.resources import files
 
 import torch
 
+from ringviz.checks import check_int
+
 TEXT_FILE = "harbor_light.txt"
 
 
@@ -19,8 +21,7 @@ def eval_text() -> str:
 
 def eval_tokens(tokenizer, n: int, *, device: torch.device | str | None = None) -> torch.Tensor:
     """The first ``n`` token ids of the text ``(n,)``, BOS first if the tokenizer adds one."""
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise ValueError(f"n must be a positive int, got {n!r}")
+    check_int("n", n)
     ids = tokenizer(eval_text())["input_ids"]
     if len(ids) < n:
         raise ValueError(f"the evaluation text has {len(ids)} tokens for this tokenizer; asked {n}")

@@ -1,0 +1,190 @@
+"""Ready ``make_step`` factories: ringviz's own caches and other libraries', driven as their
+models drive them.
+
+A factory takes the cache's settings and returns ``make_step(*, batch_size, num_heads,
+num_kv_heads, head_dim)``, which builds one fresh cache and returns its
+``step(q, k, v, positions) -> out`` (see :mod:`ringviz.conformance`). Storage is made on the
+first call, on the inputs' device and in their dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ringviz import RingKVCache
+from ringviz.conformance.probe import MakeStep, Step, Unsupported
+
+
+def ringviz_ring(window: int, sinks: int = 0) -> MakeStep:
+    """ringviz's :class:`~ringviz.RingKVCache`: one ``step`` per chunk, absolute-position sinks.
+
+    >>> import torch
+    >>> step = ringviz_ring(4)(batch_size=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    >>> x = torch.zeros(1, 1, 3, 8)
+    >>> step(torch.zeros(1, 2, 3, 8), x, x, torch.arange(3)[None]).shape
+    torch.Size([1, 2, 3, 8])
+    """
+    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
+        cache: list[RingKVCache] = []
+
+        def step(q, k, v, positions):
+            if not cache:
+                cache.append(RingKVCache(batch_size, num_kv_heads, window, head_dim,
+                                         sinks=sinks, dtype=k.dtype, device=k.device))
+            return cache[0].step(q, k, v, positions)
+
+        return step
+
+    return make_step
+
+
+# ---------------------------------------------------------------- Hugging Face transformers
+def _hf_masked_step(layer_factory, window: int, batch_size: int, num_heads: int,
+                    num_kv_heads: int) -> Step:
+    """A transformers cache layer driven as a model's forward drives it.
+
+    Per forward: the mask first, from ``create_sliding_window_causal_mask`` (it sizes itself with
+    the layer's ``get_mask_sizes``) and the 2D padding mask over every token so far; then
+    ``cache.update``; then the sdpa attention function over what the update returned.
+    """
+    from transformers import MistralConfig
+    from transformers.cache_utils import Cache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    config = MistralConfig(sliding_window=window, num_attention_heads=num_heads,
+                           num_key_value_heads=num_kv_heads)
+    config._attn_implementation = "sdpa"
+    cache = Cache(layers=[layer_factory()])
+    module = torch.nn.Module()  # what sdpa_attention_forward reads of an attention module
+    module.is_causal, module.num_key_value_groups = True, num_heads // num_kv_heads
+    seen: list[torch.Tensor] = []  # the 2D padding mask so far, (B, tokens)
+
+    def step(q, k, v, positions):
+        B, _, T, D = q.shape
+        seen.append(positions >= 0)
+        padding = torch.cat(seen, dim=1)
+        embeds = q.new_zeros(B, T, 1)  # only its shape, dtype and device are read
+        # generate's position ids: a row's real tokens count 0, 1, ...; padding gets 1
+        position_ids = positions.masked_fill(positions < 0, 1)
+        mask = create_sliding_window_causal_mask(config, embeds, padding, cache, position_ids)
+        keys, values = cache.update(k, v, 0)
+        out, _ = sdpa_attention_forward(module, q, keys, values, mask, scaling=D ** -0.5,
+                                        sliding_window=window)
+        return out.transpose(1, 2)  # (B, T, Hq, D) -> (B, Hq, T, D)
+
+    return step
+
+
+def hf_dynamic_sliding(window: int) -> MakeStep:
+    """transformers' ``DynamicSlidingWindowLayer`` (cat, keep the last W-1) with its masks."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
+        return _hf_masked_step(lambda: DynamicSlidingWindowLayer(sliding_window=window), window,
+                               batch_size, num_heads, num_kv_heads)
+
+    return make_step
+
+
+def hf_static_sliding(window: int, max_cache_len: int = 4096) -> MakeStep:
+    """transformers' ``StaticSlidingWindowLayer`` (roll and copy W slots) with its masks."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
+        return _hf_masked_step(
+            lambda: StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=window),
+            window, batch_size, num_heads, num_kv_heads)
+
+    return make_step
+
+
+def ringviz_hf(window: int, sinks: int = 0) -> MakeStep:
+    """ringviz.hf's ring layer, as ``RingCache`` drives it: the mask from the positions its
+    keys will hold (built before the write, as the forward plan does), then its step."""
+    from ringviz.hf import RingLayer
+
+    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
+        layer = RingLayer(window, sinks=sinks)
+
+        def step(q, k, v, positions):
+            mask = layer.mask(positions)
+            return layer.step(q, k, v, positions, mask, q.shape[-1] ** -0.5)
+
+        return step
+
+    return make_step
+
+
+# ---------------------------------------------------------------- mlx-lm
+def _to_mx(x: torch.Tensor):
+    import mlx.core as mx
+
+    return mx.array(x.detach().cpu().numpy())
+
+
+def _from_mx(x, like: torch.Tensor) -> torch.Tensor:
+    import numpy as np
+
+    return torch.from_numpy(np.array(x)).to(device=like.device, dtype=like.dtype)
+
+
+def mlx_rotating(max_size: int, keep: int = 0, window_size: int | None = None) -> MakeStep:
+    """mlx-lm's ``RotatingKVCache(max_size, keep)`` as its models drive it.
+
+    Per forward, as ``mlx_lm.models.base``: ``mask = cache.make_mask(T, window_size=...)``
+    (before the update), ``keys, values = cache.update_and_fetch(k, v)``, then
+    ``mx.fast.scaled_dot_product_attention(q, keys, values, scale, mask)``. ``window_size=None``
+    is how a Llama built with ``--max-kv-size`` calls it (``RotatingKVCache(max_kv_size,
+    keep=4)`` in every layer); Gemma 3's sliding layers pass their window. Check it with
+    ``window=max_size - keep, sinks=keep``. It has no padding: ragged rows raise.
+    """
+    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
+        import mlx.core as mx
+        from mlx_lm.models.cache import RotatingKVCache
+
+        cache = RotatingKVCache(max_size=max_size, keep=keep)
+
+        def step(q, k, v, positions):
+            if bool((positions < 0).any()):
+                raise ValueError("RotatingKVCache has no padding (one sequence per row, "
+                                 "all rows in step): check it with ragged=False")
+            mask = cache.make_mask(q.shape[2], window_size=window_size)
+            keys, values = cache.update_and_fetch(_to_mx(k), _to_mx(v))
+            out = mx.fast.scaled_dot_product_attention(_to_mx(q), keys, values,
+                                                       scale=q.shape[-1] ** -0.5, mask=mask)
+            return _from_mx(out, q)
+
+        return step
+
+    return make_step
+
+
+def mlx_batch_rotating(max_size: int) -> MakeStep:
+    """mlx-lm's ``BatchRotatingKVCache(max_size, left_padding)``: rows left-padded, each row's
+    padding given when the cache is built (read from the first chunk; a row whose first chunk
+    is all padding raises :class:`Unsupported`). Masks from its ``make_mask``, as above. Check
+    with ``window=max_size``."""
+    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
+        import mlx.core as mx
+        from mlx_lm.models.cache import BatchRotatingKVCache
+
+        cache: list = []
+
+        def step(q, k, v, positions):
+            if not cache:
+                real = positions >= 0
+                if not bool(real.any(dim=1).all()):
+                    raise Unsupported("BatchRotatingKVCache takes each row's left padding when "
+                                      "it is built: a row's first chunk must hold a real token")
+                pad = (~real).sum(dim=1).tolist()
+                cache.append(BatchRotatingKVCache(max_size, left_padding=pad))
+            mask = cache[0].make_mask(q.shape[2], window_size=max_size)
+            keys, values = cache[0].update_and_fetch(_to_mx(k), _to_mx(v))
+            out = mx.fast.scaled_dot_product_attention(_to_mx(q), keys, values,
+                                                       scale=q.shape[-1] ** -0.5, mask=mask)
+            return _from_mx(out, q)
+
+        return step
+
+    return make_step

@@ -1,0 +1,154 @@
+"""``check(make_step, window=W)``: hypothesis draws schedules, shrinks the ones that fail.
+
+Each example is one :class:`~ringviz.conformance.schedule.Schedule` run through fresh caches
+(:func:`~ringviz.conformance.probe.evaluate`). A failing example raises an exception of its
+property's class; hypothesis then shrinks it (fewer, smaller chunks, smaller offsets) while the
+same property keeps failing, and with ``report_multiple_bugs`` it shrinks each property apart.
+The run is seeded (``@seed``) and keeps no example database, so the same call gives the same
+report.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.errors import Flaky, Unsatisfiable
+
+from ringviz.checks import check_int
+from ringviz.conformance.probe import MakeStep, Unsupported, evaluate
+from ringviz.conformance.report import PROPERTIES, Failure, Report
+from ringviz.conformance.schedule import schedules
+
+
+class _Broken(Exception):
+    """A property broke on the example hypothesis is running (one subclass per property)."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(str(failure))
+        self.failure = failure
+
+
+class _WindowBroken(_Broken):
+    pass
+
+
+class _ValuesBroken(_Broken):
+    pass
+
+
+class _StepBroken(_Broken):
+    pass
+
+
+def _raise(failure: Failure) -> None:
+    # one raise per property, each on its own line: hypothesis tells bugs apart by where they
+    # are raised, and shrinks each one on its own
+    if failure.property == "window":
+        raise _WindowBroken(failure)
+    if failure.property == "values":
+        raise _ValuesBroken(failure)
+    raise _StepBroken(failure)
+
+
+def _leaves(err: BaseException) -> list[BaseException]:
+    """The exceptions inside an exception group (hypothesis's several bugs), or ``[err]``."""
+    if isinstance(getattr(err, "exceptions", None), (list, tuple)):  # (Base)ExceptionGroup
+        return [leaf for sub in err.exceptions for leaf in _leaves(sub)]
+    return [err]
+
+
+def _check_args(make_step: object, window: object, sinks: object, batch_size: object,
+                ragged: object, examples: object, seed: object, dtype: object,
+                max_chunk: object) -> None:
+    if not callable(make_step):
+        raise TypeError(f"make_step must be callable, got {type(make_step).__name__}")
+    check_int("window", window)
+    check_int("sinks", sinks, minimum=0)
+    check_int("batch_size", batch_size)
+    check_int("examples", examples)
+    check_int("seed", seed, minimum=0)
+    if max_chunk is not None:
+        check_int("max_chunk", max_chunk)
+    if not isinstance(ragged, bool):
+        raise TypeError(f"ragged must be a bool, got {type(ragged).__name__}")
+    if ragged and batch_size < 2:
+        raise ValueError(f"ragged=True needs batch_size >= 2 (rows that start at different "
+                         f"times), got batch_size={batch_size}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+
+
+def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int = 1,
+          ragged: bool = False, examples: int = 100, seed: int = 0,
+          dtype: torch.dtype = torch.float64, max_chunk: int | None = None,
+          device: torch.device | str = "cpu", name: str = "",
+          progress: Callable[[int], None] | None = None) -> Report:
+    """Check a sliding-window cache on ``examples`` schedules; a :class:`Report`, never a raise.
+
+    ``make_step(*, batch_size, num_heads, num_kv_heads, head_dim)`` builds a fresh cache and
+    returns ``step(q, k, v, positions) -> out`` (shapes in :mod:`ringviz.conformance`). A query
+    at position ``p`` must see exactly the keys ``max(0, p - window + 1) .. p`` and ``0 ..
+    sinks - 1`` of its own row. ``max_chunk`` caps the chunk sizes (1: decode steps only);
+    ``progress(n)`` is called after each schedule run.
+
+    >>> from ringviz.conformance.adapters import ringviz_ring
+    >>> check(ringviz_ring(4), window=4, examples=10).ok
+    True
+    """
+    _check_args(make_step, window, sinks, batch_size, ragged, examples, seed, dtype, max_chunk)
+    device = torch.device(device)
+    runs, skipped, why = 0, 0, ""
+
+    @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
+              phases=(Phase.generate, Phase.shrink), report_multiple_bugs=True,
+              suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet,
+              print_blob=False)
+    @hypothesis_seed(seed)
+    @given(schedules(window=window, sinks=sinks, batch_size=batch_size, ragged=ragged,
+                     max_chunk=max_chunk))
+    def conforms(schedule) -> None:
+        nonlocal runs, skipped, why
+        runs += 1
+        try:
+            found = evaluate(make_step, schedule, window=window, sinks=sinks, dtype=dtype,
+                             device=device, seed=seed)
+        except Unsupported as err:
+            skipped, why = skipped + 1, str(err)
+            found = None
+            reject()
+        finally:
+            if progress is not None:
+                progress(runs)
+        if found is not None:
+            _raise(found)
+
+    failures: list[Failure] = []
+    try:
+        conforms()
+    except Unsatisfiable:
+        failures.append(Failure("error", [], [], message=f"the cache declined every schedule "
+                                f"drawn ({skipped} of {runs}): {why}"))
+    except Flaky as err:  # the same schedule passed once and failed once
+        failures.append(Failure("error", [], [], message=f"the cache answered the same "
+                                f"schedule two ways (nondeterministic): {err}"))
+    except BaseException as err:
+        leaves = _leaves(err)
+        if not all(isinstance(leaf, _Broken) for leaf in leaves):
+            raise
+        failures = [leaf.failure for leaf in leaves]
+    return Report(failures=_one_per_property(failures), examples=runs, skipped=skipped,
+                  window=window, sinks=sinks, batch_size=batch_size, ragged=ragged,
+                  max_chunk=max_chunk, seed=seed, name=name)
+
+
+def _one_per_property(failures: list[Failure]) -> list[Failure]:
+    """The smallest failure of each property (fewest tokens, then fewest chunks), in the order
+    window, values, error. Hypothesis can report one property twice, from two origins (a cache
+    that is wrong only sometimes)."""
+    best: dict[str, Failure] = {}
+    for f in sorted(failures, key=lambda f: (sum(f.schedule), len(f.schedule))):
+        best.setdefault(f.property, f)
+    return [best[p] for p in PROPERTIES if p in best]

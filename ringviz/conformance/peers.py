@@ -1,0 +1,120 @@
+"""Every cache the kit knows by name: the field's real caches and the book's pitfalls.
+
+:data:`PEERS` maps a name to a :class:`Peer`: how to build its ``make_step`` for a window and a
+number of sinks, what it takes (sinks, left-padded rows), the dtype to check it in, and the
+library version it runs. ``python -m ringviz conform --cache NAME`` and chapter 14's table read
+it; :func:`run` checks one peer at its most demanding setting.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ringviz.conformance import adapters
+from ringviz.conformance.kit import check
+from ringviz.conformance.pitfalls import PITFALLS
+from ringviz.conformance.probe import MakeStep
+from ringviz.conformance.report import PROPERTIES, Report
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A named cache: ``build(window, sinks) -> make_step`` and what it takes."""
+
+    name: str
+    what: str
+    build: Callable[[int, int], MakeStep]
+    library: str = "ringviz"  # the distribution whose version the check runs
+    sinks: bool = False  # keeps attention sinks
+    ragged: bool = True  # takes left-padded rows (checked as a ragged batch of 2)
+    batch_size: int = 1  # rows when not ragged
+    dtype: torch.dtype = torch.float64  # the dtype its checks run in
+    expect: str | None = None  # pitfalls: the property the kit must report
+    default_sinks: int = 0
+
+    def version(self) -> str:
+        """``library==version`` as installed (what the check ran)."""
+        try:
+            return f"{self.library}=={importlib.metadata.version(self.library)}"
+        except importlib.metadata.PackageNotFoundError:
+            return f"{self.library} (not installed)"
+
+
+def _no_sinks(name: str, build: Callable[[int], MakeStep]) -> Callable[[int, int], MakeStep]:
+    def with_sinks(window: int, sinks: int) -> MakeStep:
+        if sinks:
+            raise ValueError(f"{name} keeps no attention sinks: use sinks=0, got {sinks}")
+        return build(window)
+
+    return with_sinks
+
+
+_F32 = torch.float32  # mlx computes its float64 SDPA at float32 precision (measured: 6e-8)
+PEERS: dict[str, Peer] = {p.name: p for p in [
+    Peer("ringviz_ring", "ringviz.RingKVCache, one step per chunk", adapters.ringviz_ring,
+         sinks=True, default_sinks=2),
+    Peer("ringviz_hf", "ringviz.hf.RingLayer as RingCache drives it", adapters.ringviz_hf,
+         sinks=True, default_sinks=2),
+    Peer("hf_dynamic_sliding", "transformers DynamicSlidingWindowLayer + masking_utils + sdpa",
+         _no_sinks("hf_dynamic_sliding", adapters.hf_dynamic_sliding), library="transformers"),
+    Peer("hf_static_sliding", "transformers StaticSlidingWindowLayer + masking_utils + sdpa",
+         _no_sinks("hf_static_sliding", adapters.hf_static_sliding), library="transformers"),
+    Peer("mlx_rotating", "mlx-lm RotatingKVCache(W + S, keep=S), mask built before the update",
+         lambda w, s: adapters.mlx_rotating(w + s, keep=s), library="mlx-lm", sinks=True,
+         ragged=False, dtype=_F32, default_sinks=2),
+    Peer("mlx_rotating_window", "mlx-lm RotatingKVCache(W) with make_mask(window_size=W), as "
+         "Gemma 3's sliding layers", _no_sinks(
+             "mlx_rotating_window", lambda w: adapters.mlx_rotating(w, window_size=w)),
+         library="mlx-lm", ragged=False, dtype=_F32),
+    Peer("mlx_batch_rotating", "mlx-lm BatchRotatingKVCache(W, left_padding)",
+         _no_sinks("mlx_batch_rotating", adapters.mlx_batch_rotating), library="mlx-lm",
+         dtype=_F32),
+]} | {name: Peer(name, p.what, p.build, sinks=p.sinks > 0, ragged=p.ragged,
+                 batch_size=p.batch_size, expect=p.breaks, default_sinks=p.sinks)
+      for name, p in PITFALLS.items()}
+
+
+def get(name: str) -> Peer:
+    """The peer called ``name``; ValueError listing the known names otherwise."""
+    if name not in PEERS:
+        raise ValueError(f"unknown cache {name!r}; known: {', '.join(PEERS)}")
+    return PEERS[name]
+
+
+def run(name: str, *, window: int = 6, sinks: int | None = None, examples: int = 100,
+        seed: int = 0, max_chunk: int | None = None,
+        progress: Callable[[int], None] | None = None) -> Report:
+    """Check peer ``name``: its default sinks unless given, a ragged batch of 2 if it takes
+    padding (else its own batch size), in its dtype."""
+    peer = get(name)
+    sinks = peer.default_sinks if sinks is None else sinks
+    if sinks and not peer.sinks:
+        raise ValueError(f"{name} keeps no attention sinks: use sinks=0, got {sinks}")
+    batch = 2 if peer.ragged else peer.batch_size
+    return check(peer.build(window, sinks), window=window, sinks=sinks, batch_size=batch,
+                 ragged=peer.ragged, examples=examples, seed=seed, dtype=peer.dtype,
+                 max_chunk=max_chunk, name=name, progress=progress)
+
+
+def setting(report: Report) -> str:
+    """A check's setting, short: ``"W=6 S=2, 2 ragged rows"``, ``"W=6 S=0, 1 row, chunks <= 4"``.
+    """
+    rows = (f"{report.batch_size} ragged rows" if report.ragged
+            else f"{report.batch_size} row{'s' if report.batch_size > 1 else ''}")
+    text = f"W={report.window} S={report.sinks}, {rows}"
+    return text + (f", chunks <= {report.max_chunk}" if report.max_chunk else "")
+
+
+def table_row(report: Report) -> dict[str, str]:
+    """One line of chapter 14's table: the cache, its version and setting, and per property
+    ``"pass"`` or the shrunk schedule that breaks it (``[6, 1, 2], rows at [0, 2]``)."""
+    peer = get(report.name)
+    row = {"cache": report.name, "version": peer.version(), "setting": setting(report)}
+    row |= {p: "pass" for p in PROPERTIES}
+    for f in report.failures:
+        row[f.property] = str(f.schedule) + (f", rows at {f.offsets}" if any(f.offsets) else "")
+    return row

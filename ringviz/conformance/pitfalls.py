@@ -1,0 +1,245 @@
+"""The book's catalogue of ring-cache bugs, each as a cache the kit can test (and must catch).
+
+Every entry is a small, plausible cache that one shipped bug or one chapter's trap turned
+wrong, built on :class:`ringviz.RingKVCache`'s storage. :data:`PITFALLS` names each with what it
+does wrong, where the book (or the field) met it, and the property :func:`check` must report.
+
+=================  ============================================================  ======
+name               what the code does wrong                                      breaks
+=================  ============================================================  ======
+off_by_one         ring (so window) sized W-1 (ch. 5; HF #37574)                 window
+no_stale_mask      spare slots (1.5 W), a mask that asks only "filled" (ch. 5)   window
+distance_rule      ``0 <= p - pos < W`` alone: empty slots visible (ch. 5)       window
+chunk_first        a chunk written before it attends (ch. 6; executorch #20346)  window
+trim_chunk         [ring | chunk] cut to W keys before it attends (rasbt #1008)  window
+temporal_mask      slots masked as if in temporal order (ch. 12; HF's masks)     window
+padding_in_slots   padding counted as tokens, taking slots (ch. 7; mlx-lm #439)  window
+shared_ring        the rows of a batch take turns in one ring (ch. 7)            window
+sinks_overwritten  sinks kept by the mask, not by the storage (mlx-lm #1631)     window
+slot_rope          keys turned again, to their slot ``pos % W`` (ch. 4)          values
+=================  ============================================================  ======
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ringviz import RingKVCache, apply_rope, band_mask
+from ringviz.conformance.probe import MakeStep, Step
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention ``(B, Hq, T, D)`` under a bool mask ``(B, T, K)``; GQA; empty rows 0."""
+    G = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
+    scores = (q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(
+        ~mask[:, None], float("-inf"))
+    return scores.softmax(dim=-1).nan_to_num(nan=0.0) @ values
+
+
+def _lazy(build: Callable[[torch.Tensor, int, int, int], Step]) -> MakeStep:
+    """A make_step whose step is built on the first call, from the inputs' dtype and device."""
+    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
+        made: list[Step] = []
+
+        def step(q, k, v, positions):
+            if not made:
+                made.append(build(k, batch_size, num_kv_heads, head_dim))
+            return made[0](q, k, v, positions)
+
+        return step
+
+    return make_step
+
+
+def _ring(k: torch.Tensor, B: int, H: int, D: int, window: int, **kw) -> RingKVCache:
+    return RingKVCache(B, H, window, D, dtype=k.dtype, device=k.device, **kw)
+
+
+def off_by_one(window: int) -> MakeStep:
+    """A ring of ``window - 1`` slots: the query at p loses key p - W + 1."""
+    return _lazy(lambda k, B, H, D: _ring(k, B, H, D, window - 1).step)
+
+
+def no_stale_mask(window: int) -> MakeStep:
+    """Spare slots (1.5 W) and a mask of "filled and not future": keys older than W stay."""
+    return _lazy(lambda k, B, H, D: _ring(k, B, H, D, window + window // 2).step)
+
+
+def _custom_mask(window: int, rule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 **ring_kw) -> MakeStep:
+    """The correct ring's storage and data path, with ``rule(q_pos, key_pos)`` as its mask."""
+    def build(k, B, H, D):
+        ring = _ring(k, B, H, D, window, **ring_kw)
+
+        def step(q, k, v, positions):
+            if k.shape[2] == 1:
+                ring.write(k, v, positions)
+                keys, values, key_pos = ring.k, ring.v, ring.positions
+            else:
+                keys, values, key_pos = ring.keys_with_chunk(k, v, positions)
+                ring.write(k, v, positions)
+            return attend(q, keys, values, rule(positions, key_pos))
+
+        return step
+
+    return _lazy(build)
+
+
+def distance_rule(window: int) -> MakeStep:
+    """The seed's decode rule ``0 <= p - pos < W``: an empty slot (-1) is "near" early on."""
+    def rule(q_pos, key_pos):
+        dist = q_pos[..., :, None] - key_pos[..., None, :]
+        return (dist >= 0) & (dist < window) & (q_pos[..., :, None] >= 0)
+
+    return _custom_mask(window, rule)
+
+
+def sinks_overwritten(window: int, sinks: int) -> MakeStep:
+    """The mask keeps positions ``< sinks`` visible, but they live in the ring like any other
+    token (``S + W`` slots, no sink slots), so later tokens overwrite them."""
+    return _custom_mask(window, lambda q, key: band_mask(q, key, window, sinks),
+                        capacity=window + sinks)
+
+
+def trim_chunk(window: int) -> MakeStep:
+    """A chunk attends over ``[ring | chunk]`` cut to its newest W keys: the chunk's early
+    queries lose keys their windows still hold."""
+    def build(k, B, H, D):
+        ring = _ring(k, B, H, D, window)
+
+        def step(q, k, v, positions):
+            keys, values, key_pos = ring.keys_with_chunk(k, v, positions)
+            ring.write(k, v, positions)
+            newest = positions.max(dim=1, keepdim=True).values  # (B, 1)
+            kept = torch.where(key_pos > newest - window, key_pos, -1)  # the last W only
+            return attend(q, keys, values, band_mask(positions, kept, window))
+
+        return step
+
+    return _lazy(build)
+
+
+def temporal_mask(window: int) -> MakeStep:
+    """Keys ``[ring | chunk]`` masked as if the ring's slot ``j`` held position ``p0 - W + j``
+    (temporal order, the chunk starting at ``p0``), as stock masks assume; slots hold
+    ``pos % W``."""
+    def build(k, B, H, D):
+        ring = _ring(k, B, H, D, window)
+
+        def step(q, k, v, positions):
+            keys, values, _ = ring.keys_with_chunk(k, v, positions)
+            ring.write(k, v, positions)
+            first = positions[:, :1]  # (B, 1)
+            assumed = first - window + torch.arange(window + q.shape[2], device=q.device)
+            return attend(q, keys, values, band_mask(positions, assumed, window))
+
+        return step
+
+    return _lazy(build)
+
+
+def chunk_first(window: int) -> MakeStep:
+    """Write the whole chunk, then attend over the ring: a chunk overwrites keys its own early
+    queries still need."""
+    def build(k, B, H, D):
+        ring = _ring(k, B, H, D, window)
+
+        def step(q, k, v, positions):
+            ring.write(k, v, positions)
+            return ring.attend(q, positions)
+
+        return step
+
+    return _lazy(build)
+
+
+def padding_in_slots(window: int) -> MakeStep:
+    """Positions counted by column, padding included: pad tokens take slots and stay visible."""
+    def build(k, B, H, D):
+        ring = _ring(k, B, H, D, window)
+        seen = [0]
+
+        def step(q, k, v, positions):
+            T = k.shape[2]
+            cols = (seen[0] + torch.arange(T, device=k.device)).expand(positions.shape[0], T)
+            seen[0] += T
+            return ring.step(q, k, v, cols.contiguous())
+
+        return step
+
+    return _lazy(build)
+
+
+def shared_ring(window: int) -> MakeStep:
+    """One ring (batch size 1) serves every row in turn, its checks off as in a hot loop."""
+    def build(k, B, H, D):
+        ring = _ring(k, 1, H, D, window)
+
+        def step(q, k, v, positions):
+            return torch.cat([ring.step(q[b:b + 1], k[b:b + 1], v[b:b + 1],
+                                        positions[b:b + 1], check=False)
+                              for b in range(q.shape[0])])
+
+        return step
+
+    return _lazy(build)
+
+
+def slot_rope(window: int) -> MakeStep:
+    """Keys (already turned to ``pos``) turned by ``pos % W - pos`` more, i.e. to their slot:
+    right until the first wrap, then every old key is scored at the wrong distance."""
+    def build(k, B, H, D):
+        ring = _ring(k, B, H, D, window)
+
+        def step(q, k, v, positions):
+            return ring.step(q, apply_rope(k, positions % window - positions), v, positions)
+
+        return step
+
+    return _lazy(build)
+
+
+@dataclass(frozen=True)
+class Pitfall:
+    """One buggy cache of the catalogue: what it does wrong, the property the kit must report,
+    and the batch it needs for the bug to show (two rows to share a ring, ragged ones to pad)."""
+
+    what: str
+    factory: Callable[..., MakeStep]  # factory(window), or factory(window, sinks) if sinks
+    breaks: str
+    batch_size: int = 1
+    ragged: bool = False
+    sinks: int = 0
+
+    def build(self, window: int, sinks: int | None = None) -> MakeStep:
+        """The buggy cache's ``make_step`` for ``window`` (and its sinks, if it keeps any)."""
+        if not self.sinks:
+            return self.factory(window)
+        return self.factory(window, self.sinks if sinks is None else sinks)
+
+
+PITFALLS: dict[str, Pitfall] = {
+    "off_by_one": Pitfall("ring (and so window) sized W-1", off_by_one, "window"),
+    "no_stale_mask": Pitfall("spare slots (1.5 W), mask checks 'filled' only", no_stale_mask,
+                             "window"),
+    "distance_rule": Pitfall("mask 0 <= p - pos < W: empty slots visible", distance_rule,
+                             "window"),
+    "chunk_first": Pitfall("a chunk written before it attends", chunk_first, "window"),
+    "trim_chunk": Pitfall("[ring | chunk] cut to W keys before a chunk attends", trim_chunk,
+                          "window"),
+    "temporal_mask": Pitfall("ring slots masked as if in temporal order", temporal_mask,
+                             "window"),
+    "padding_in_slots": Pitfall("padding counted as tokens: it takes ring slots",
+                                padding_in_slots, "window", batch_size=2, ragged=True),
+    "shared_ring": Pitfall("the rows of a batch take turns in one ring", shared_ring, "window",
+                           batch_size=2),
+    "sinks_overwritten": Pitfall("sinks kept by the mask, overwritten in the ring",
+                                 sinks_overwritten, "window", sinks=2),
+    "slot_rope": Pitfall("keys turned again, to their slot pos % W", slot_rope, "values"),
+}

@@ -1,0 +1,114 @@
+"""What a conformance check returns: a :class:`Report` of :class:`Failure` s, readable, JSON-able.
+
+A failure names the property it breaks:
+
+* ``"window"``: a query saw another set of keys than its window (``expected`` vs ``seen``, sorted
+  key positions of its own row; ``-1`` counts a key that holds no token of the row: an empty
+  slot, a padding token or a zero vector; ``other_rows`` lists keys of other rows as
+  ``(row, position)``). ``expected_mask`` and ``seen_mask`` are the whole row's query x key
+  grids for the failing schedule, ``seen_blank`` and ``seen_other_rows`` each query's count of
+  keys outside them.
+* ``"values"``: the same keys, but the output is off a float64 softmax over them by
+  ``max_error``, more than the dtype allows.
+* ``"error"``: the step raised, or returned something that is not a ``(B, Hq, T, D)`` tensor
+  (``message`` holds the exception text); also a cache that answers the same schedule two ways.
+
+Each carries the shrunk ``schedule`` (chunk sizes) and ``offsets`` (each row's left padding) that
+show it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+PROPERTIES = ("window", "values", "error")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One property a cache breaks, with the smallest schedule hypothesis found that shows it."""
+
+    property: str
+    schedule: list[int]
+    offsets: list[int]
+    message: str
+    step: int | None = None  # index of the chunk in ``schedule`` where it shows
+    row: int | None = None
+    position: int | None = None
+    expected: list[int] | None = None
+    seen: list[int] | None = None
+    other_rows: list[tuple[int, int]] = field(default_factory=list)
+    max_error: float | None = None
+    expected_mask: list[list[bool]] | None = None  # (queries, keys) of ``row``, by position
+    seen_mask: list[list[bool]] | None = None
+    seen_blank: list[int] | None = None  # per query of ``row``: keys holding no token of it
+    seen_other_rows: list[int] | None = None  # per query of ``row``: keys of other rows
+
+    def __post_init__(self) -> None:
+        if self.property not in PROPERTIES:
+            raise ValueError(f"property must be one of {PROPERTIES}, got {self.property!r}")
+
+    def where(self) -> str:
+        """Schedule (and offsets, for a ragged batch) in words."""
+        text = f"chunks {self.schedule}"
+        if any(self.offsets):
+            text += f", rows start at columns {self.offsets}"
+        return text
+
+    def __str__(self) -> str:
+        head = f"{self.property}: {self.where()}"
+        if self.property == "window":
+            others = f"\n  and keys of other rows (row, position) {self.other_rows}"
+            return (f"{head}\n  row {self.row}, query at position {self.position} "
+                    f"(chunk {self.step})\n  expected keys {self.expected}\n  saw keys      "
+                    f"{self.seen}" + (others if self.other_rows else ""))
+        if self.property == "values":
+            return (f"{head}\n  row {self.row}, query at position {self.position}: the "
+                    f"right keys, but\n  |out - softmax reference| = {self.max_error:.3g}")
+        return f"{head}\n  chunk {self.step}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Report:
+    """Result of :func:`ringviz.conformance.check`: ``ok`` when no schedule broke a property."""
+
+    failures: list[Failure]
+    examples: int  # schedules run, shrinking included
+    window: int
+    skipped: int = 0  # schedules the cache declined by design (Unsupported), among examples
+    sinks: int = 0
+    batch_size: int = 1
+    ragged: bool = False
+    max_chunk: int | None = None
+    seed: int = 0
+    name: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def properties(self) -> list[str]:
+        """The properties broken, in the order window, values, error."""
+        return [p for p in PROPERTIES if any(f.property == p for f in self.failures)]
+
+    def to_dict(self) -> dict:
+        """Plain data (for ``--json``)."""
+        return {"name": self.name, "ok": self.ok, "examples": self.examples,
+                "window": self.window, "sinks": self.sinks, "batch_size": self.batch_size,
+                "ragged": self.ragged, "max_chunk": self.max_chunk, "seed": self.seed,
+                "skipped": self.skipped,
+                "failures": [asdict(f) for f in self.failures]}
+
+    def __str__(self) -> str:
+        what = (f"{self.name + ': ' if self.name else ''}window {self.window}, sinks "
+                f"{self.sinks}, batch {self.batch_size}{' ragged' if self.ragged else ''}"
+                + (f", chunks <= {self.max_chunk}" if self.max_chunk else ""))
+        declined = f" ({self.skipped} declined by the cache)" if self.skipped else ""
+        if self.ok:
+            return (f"PASS {what}: {self.examples} schedules{declined}, every query saw its "
+                    f"window")
+        lines = [f"FAIL {what}: {len(self.failures)} propert"
+                 f"{'y' if len(self.failures) == 1 else 'ies'} broken in {self.examples} "
+                 f"schedules{declined}"]
+        lines += [str(f) for f in self.failures]
+        return "\n".join(lines)
