@@ -1,14 +1,12 @@
 """The batched ring KV cache (torch): fixed storage, one slot write per token, exact attention.
 
-Storage ``k``/``v`` ``(B, n_kv_heads, S + C, head_dim)`` is allocated once and only ever
-written in place (its address never changes: CUDA-graph friendly); ``positions`` ``(B, S + C)``
+Storage (:mod:`ringviz.storage`) is allocated once and only written in place; ``positions``
 records the absolute position each slot holds (-1 = empty), and masks come from it, never from
-slot order. Slots, per row: ``[ S sink slots | C ring slots | spare ]`` (:mod:`ringviz.slots`):
-position ``pos`` goes to slot ``pos % C``, or with ``sinks=S`` (StreamingLLM's attention sinks)
-positions ``0 .. S-1`` to slots ``0 .. S-1`` for good and the rest to ``S + pos % C``. ``C`` is
-``capacity``, the ring's slots per row: the window ``W`` unless speculative decoding asks for
-spare slots. Tokens that must not be stored (padding, chunk tokens a later token of the same
-chunk overwrites) go to the spare slot, so a write is one scatter with no host sync.
+slot order. Position ``pos`` goes to slot ``pos % C``, or with ``sinks=S`` (StreamingLLM's
+attention sinks) positions ``0 .. S-1`` to slots ``0 .. S-1`` for good and the rest to
+``S + pos % C`` (:mod:`ringviz.slots`). ``C`` is ``capacity``: the window ``W`` unless
+speculative decoding asks for spare slots (chapter 13: masks still use ``W``, and
+:meth:`~ringviz.storage.RingStorage.truncate` forgets rejected draft tokens).
 
 One call, :meth:`RingKVCache.step`, takes a chunk of ``T`` new tokens per row (``T = 1`` is
 decode) and returns their attention output:
@@ -25,24 +23,19 @@ decode) and returns their attention output:
 
 Keys arrive rotated at their absolute positions and stay so; ``sink_rope`` picks how the sinks
 are scored (absolute positions, or StreamingLLM's positions inside the cache: :mod:`ringviz.sinks`).
-Attention itself is :mod:`ringviz.attention`'s; every argument check is :mod:`ringviz.checks`'.
-
-Padding (position -1, left or right) never takes a slot; a query with nothing visible gets
-zeros, never NaN. Every check runs before anything is written: a rejected call changes nothing.
+Attention is :mod:`ringviz.attention`'s, argument checks :mod:`ringviz.checks`'. Padding
+(position -1, left or right) never takes a slot; a query with nothing visible gets zeros, never
+NaN. Every check runs before anything is written: a rejected call changes nothing.
 
 Things to know (by design, not checked):
 
 * Inputs that require grad pull the storage into the autograd graph (it is written in place);
-  run decode under ``torch.no_grad()`` or ``torch.inference_mode()``.
-* A cache created under ``inference_mode`` holds inference tensors and cannot be stepped
-  outside it.
+  run decode under ``torch.no_grad()`` or ``torch.inference_mode()``. A cache created under
+  ``inference_mode`` holds inference tensors and cannot be stepped outside it.
 * Padding keys/values are zeroed before they meet a query, but a real token's non-finite k/v
   (inf, NaN) can reach queries that cannot see it: a masked key still enters SDPA's
   ``weights @ values`` with weight 0, and ``0 * NaN`` is NaN. Whether it does depends on the
   chunking (which masked slots share a call). Keep k/v finite.
-
-Speculative decoding (chapter 13) adds ``capacity > window`` (masks still use ``window``) and
-:meth:`RingKVCache.truncate`, which forgets rejected draft tokens.
 
 >>> import torch
 >>> cache = RingKVCache(batch_size=1, num_kv_heads=1, window=4, head_dim=2)
@@ -56,36 +49,31 @@ tensor([[4, 5, 2, 3]])
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ringviz.attention import ring_attention, unmasked_attention
 from ringviz.checks import (
     check_int,
-    check_kv,
-    check_positions,
-    check_query,
     check_scale,
     check_sink_rope,
-    check_tensor,
-    check_truncate,
-    missing_positions,
 )
 from ringviz.masks import band_mask
 from ringviz.rope import Rope
+from ringviz.runs import Told
 from ringviz.sinks import sinks_with_chunk
 from ringviz.slots import chunk_key_positions, home_slots, step_key_positions
+from ringviz.storage import RingStorage
 
 _NEVER = torch.iinfo(torch.int64).max  # a position no key reaches
 
 
-class RingKVCache:
+class RingKVCache(RingStorage):
     """A batch of rings, one per row, holding each row's last ``window`` keys and values.
 
     ``sinks=S`` keeps each row's positions ``0 .. S-1`` too, in ``S`` slots before the ring;
     ``sink_rope`` picks their RoPE convention (module docstring): None = absolute positions,
-    a rotation ``f(x, positions)`` = StreamingLLM's positions inside the cache.
+    a rotation ``f(x, positions)`` = StreamingLLM's positions inside the cache. The storage and
+    its row operations (``take_rows``, ``truncate``) are :class:`ringviz.storage.RingStorage`'s.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
@@ -95,61 +83,15 @@ class RingKVCache:
         for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
                             ("window", window), ("head_dim", head_dim)):
             check_int(name, value)
-        self.sinks = check_int("sinks", sinks, minimum=0)
+        sinks = check_int("sinks", sinks, minimum=0)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        self.sink_rope = check_sink_rope(sink_rope, self.sinks, head_dim, dtype,
+        self.sink_rope = check_sink_rope(sink_rope, sinks, head_dim, dtype,
                                          torch.empty(0, device=device).device)
-        self.batch_size, self.num_kv_heads = batch_size, num_kv_heads
-        self.window, self.head_dim = window, head_dim
         # ring slots per row: the window, plus any spare slots that rejected drafts may overwrite
-        self.capacity = window if capacity is None else check_int("capacity", capacity, window)
-        n = self.sinks + self.capacity  # [sinks | ring]; slot n, outside the views, the spare
-        self._spare = n
-        store = (batch_size, num_kv_heads, n + 1, head_dim)
-        self._k_store = torch.zeros(store, dtype=dtype, device=device)
-        self._v_store = torch.zeros(store, dtype=dtype, device=device)
-        self._pos_store = torch.full((batch_size, n + 1), -1, dtype=torch.int64,
-                                     device=self._k_store.device)
-        self.k = self._k_store[:, :, :n]  # (B, n_kv_heads, S + capacity, head_dim)
-        self.v = self._v_store[:, :, :n]  # (B, n_kv_heads, S + capacity, head_dim)
-        self.positions = self._pos_store[:, :n]  # (B, S + capacity), -1 = empty
-        # newest position per row: kept beside the ring so a decode step never scans all W slots
-        self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.k.device)
-        self._flat_views()
-        # What the cache was told about its rows' runs (_Runs): when every row holds its last
-        # `capacity` positions, a decode step needs no mask. Known without reading positions.
-        self._runs = _Runs(batch_size, self.capacity, self.k.device)
-
-
-    def _flat_views(self) -> None:
-        """The flat views a decode write copies into, one index_copy_ per tensor (measured
-        about half an advanced-index assignment's cost), and each row's first storage row."""
-        B, H, n1, D = self._k_store.shape
-        self._k_rows = self._k_store.view(-1, D)  # (B * n_kv_heads * (S + C + 1), D)
-        self._v_rows = self._v_store.view(-1, D)
-        self._head_base = torch.arange(B * H, device=self.k.device).view(B, H) * n1
-        self._pos_base = torch.arange(B, device=self.k.device) * n1
-        self._pos_rows = self._pos_store.view(-1)  # (B * (S + C + 1),)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.k.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of k, v and positions storage (spare slot included): fixed at construction."""
-        stores = (self._k_store, self._v_store, self._pos_store)
-        return sum(t.numel() * t.element_size() for t in stores)
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """``(B,)`` each row's newest position + 1: where its next token goes (0 when empty)."""
-        return self._last_pos + 1
+        capacity = window if capacity is None else check_int("capacity", capacity, window)
+        super().__init__(batch_size, num_kv_heads, window, head_dim, sinks, capacity, dtype,
+                         device)
 
     @property
     def kv_seqlens(self) -> torch.Tensor:
@@ -159,8 +101,7 @@ class RingKVCache:
     @property
     def start(self) -> torch.Tensor:
         """``(B,)`` slot of each row's oldest visible entry (0 for an empty row)."""
-        big = torch.iinfo(torch.int64).max
-        oldest = torch.where(self._visible_now(), self.positions, big).argmin(dim=-1)
+        oldest = torch.where(self._visible_now(), self.positions, _NEVER).argmin(dim=-1)
         return torch.where(self._visible_now().any(dim=-1), oldest, 0)
 
     def _visible_now(self) -> torch.Tensor:
@@ -183,48 +124,6 @@ class RingKVCache:
         """``(B, Tq, Tk)`` visibility: the window, plus the sinks when there are any."""
         return band_mask(q_positions, k_positions, self.window, self.sinks)
 
-    def reset(self) -> None:
-        """Empty every row (storage stays where it is)."""
-        self._k_store.zero_()
-        self._v_store.zero_()
-        self._pos_store.fill_(-1)
-        self._last_pos.fill_(-1)
-        self._runs.forget()
-
-    # ------------------------------------------------------------------ validation
-    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> _Told:
-        """Raise on any malformed input, before anything is written; else what it tells."""
-        check_kv(k, v, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
-                 head_dim=self.head_dim, dtype=self.dtype, device=self.device)
-        return self._check_positions(check_tensor("positions", positions, self.device),
-                                     k.shape[2])
-
-    def _check_positions(self, positions: torch.Tensor, T: int) -> _Told:
-        """:func:`ringviz.checks.check_positions`, and what the positions tell the rows' runs
-        (:class:`_Runs`), learned in the same one host sync."""
-        if T == 1 and positions.dtype in (torch.int64, torch.int32) \
-                and positions.shape == (self.batch_size, 1) \
-                and torch.equal(positions[:, 0], self._last_pos + 1):  # one host sync
-            return self._runs.grown(1)  # the decode loop's case: every row's newest + 1
-        runs: list[torch.Tensor] = []
-
-        def runs_after(before: torch.Tensor) -> torch.Tensor:
-            runs.append(self._runs.after(positions.to(torch.int64), before))
-            return runs[0].min()
-
-        least = check_positions(positions, self._last_pos, T, also=runs_after)
-        return _Told(rows=runs[0], least=least)
-
-    def _check_q(self, q: torch.Tensor, T: int, q_positions: object = None) -> None:
-        check_query(q, T, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, dtype=self.dtype, device=self.device,
-                    q_positions=q_positions)
-
-    def check_positions(self, positions: torch.Tensor) -> None:
-        """Raise if ``positions`` (B, T) could not be written next, writing nothing."""
-        check_tensor("positions", positions, self.device)
-        check_positions(positions, self._last_pos, positions.shape[-1] if positions.ndim else -1)
-
     def check_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    positions: torch.Tensor, *, scale: float | None = None) -> None:
         """Raise exactly what :meth:`step` would reject, writing nothing."""
@@ -232,10 +131,6 @@ class RingKVCache:
         self._told(k, v, positions, check=True, contiguous=False, q=q)
 
     # ------------------------------------------------------------------ the ring
-    def _slots(self, positions: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Slot of a token: its :func:`home_slots` slot if kept, the spare if dropped."""
-        return torch.where(keep, home_slots(positions, self.sinks, self.capacity), self._spare)
-
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
               check: bool = True, contiguous: bool = False) -> None:
         """Write ``T`` tokens per row into slots ``pos % capacity``; keep each row's last C.
@@ -251,11 +146,11 @@ class RingKVCache:
                     self._told(k, v, positions, check=check, contiguous=contiguous))
 
     def _told(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, check: bool,
-              contiguous: bool, q: torch.Tensor | None = None) -> _Told:
+              contiguous: bool, q: torch.Tensor | None = None) -> Told:
         """Validate a call (``check``), or take the caller's word: what it tells the runs."""
         if not check:  # (under torch.compile, a host int read in the graph would recompile it)
             vouched = contiguous and not torch.compiler.is_compiling()
-            return self._runs.grown(k.shape[2]) if vouched else _Told()
+            return self._runs.grown(k.shape[2]) if vouched else Told()
         told = self._check_kv(k, v, positions)
         if q is not None:
             self._check_q(q, k.shape[2])
@@ -265,13 +160,14 @@ class RingKVCache:
         return told
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-               told: _Told) -> None:
+               told: Told) -> None:
         """:meth:`write` of trusted int64 ``positions``, then the runs take what ``told`` says."""
         B, H, T, D = k.shape
         if T == 1 and told.next and not self.sinks:  # every row's newest + 1: stored, no guard
-            pos = positions[:, 0]  # (B,)
-            self._write_one(k, v, pos, pos % self.capacity)
-            self._last_pos.copy_(pos)
+            slots = {p % self.capacity for p in told.newest or ()}  # one, known on the host?
+            self._write_one(k, v, positions, slots.pop() if len(slots) == 1
+                            else positions[:, 0] % self.capacity)
+            self._last_col.copy_(positions)
             self._runs.commit(told)
             return
         if T == 1:  # decode: a real token is always the row's newest, so it is always kept
@@ -285,23 +181,15 @@ class RingKVCache:
             keep = (positions >= 0) & recent
         # kept ring tokens of a row span < C positions, so their slots are distinct; the rest
         # share the spare slot, whose contents are never read
-        slot = self._slots(positions, keep)  # (B, T)
+        slot = torch.where(keep, home_slots(positions, self.sinks, self.capacity), self._spare)
         if T == 1:
-            self._write_one(k, v, positions[:, 0], slot[:, 0])
+            self._write_one(k, v, positions, slot[:, 0])
         else:
             self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), k)
             self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), v)
             self._pos_store.scatter_(1, slot, positions)
         self._last_pos.copy_(newest)
         self._runs.commit(told)
-
-    def _write_one(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   slot: torch.Tensor) -> None:
-        """Store one token per row, row b's in slot ``slot[b]``: ``(B,)`` positions and slots."""
-        rows = (self._head_base + slot[:, None]).view(-1)  # (B * n_kv_heads,) storage rows
-        self._k_rows.index_copy_(0, rows, k.reshape(-1, self.head_dim))
-        self._v_rows.index_copy_(0, rows, v.reshape(-1, self.head_dim))
-        self._pos_rows.index_copy_(0, self._pos_base + slot, positions)
 
     @property
     def window_full(self) -> bool:
@@ -350,7 +238,8 @@ class RingKVCache:
         """
         check_scale(scale)
         told = self._told(k, v, positions, check=check, contiguous=contiguous, q=q)
-        positions = positions.to(torch.int64)
+        if positions.dtype != torch.int64:
+            positions = positions.to(torch.int64)
         if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
             self._write(k, v, positions, told)
             if told.next and mask is None and self.window_full:  # every key in its window
@@ -381,12 +270,11 @@ class RingKVCache:
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The keys, values and positions a chunk attends over before it is written.
 
-        ``[ring | chunk]``: the storage as it is, then the chunk's own tokens, padding zeroed
-        (it is masked out, but ``0 * NaN`` is NaN). With sinks, the chunk's sink tokens take
-        the sink columns and are masked in the chunk part, so none is scored twice. Shapes
-        ``(B, Hkv, S + C + T, D)`` twice and ``(B, S + C + T)``; into an empty ring without
-        sinks, just the chunk (``T`` keys: the ring's would all be masked). The positions are
-        :func:`step_key_positions`'.
+        ``[ring | chunk]``: the storage as it is, then the chunk's tokens, padding zeroed (masked
+        out, but ``0 * NaN`` is NaN). With sinks, the chunk's sink tokens take the sink columns
+        and are masked in the chunk part. Shapes ``(B, Hkv, S + C + T, D)`` twice and
+        ``(B, S + C + T)`` (:func:`step_key_positions`); into an empty ring without sinks, just
+        the chunk (the ring's keys would all be masked).
         """
         positions = positions.to(torch.int64)
         pad = (positions < 0)[:, None, :, None]  # (B, 1, T, 1)
@@ -410,136 +298,8 @@ class RingKVCache:
         slots once a decode token is written, ``[sinks | ring | chunk]`` before a chunk is."""
         return step_key_positions(self.positions, q_positions, self.sinks, self.capacity)
 
-    # ------------------------------------------------------------------ rows
-    def take_rows(self, index: torch.Tensor, *, check: bool = True) -> None:
-        """Make row ``i`` what row ``index[i]`` is now (beam search's reorder, repeat, select).
-
-        ``index`` is 1-D, integer, on this device, any length (rows may repeat). The same
-        length reorders in place (storage addresses unchanged, as a CUDA graph needs); another
-        length allocates storage for the new batch. ``check=False`` skips the range check and
-        its host sync (a beam step's indices are in range by construction).
-        """
-        check_tensor("index", index, self.device)
-        if index.ndim != 1 or index.is_floating_point() or index.dtype == torch.bool:
-            raise ValueError(f"index must be a 1-D integer tensor, got {index.dtype} "
-                             f"{tuple(index.shape)}")
-        if check and index.numel() and not bool(
-                ((index >= 0) & (index < self.batch_size)).all()):
-            raise ValueError(f"index must hold rows in [0, {self.batch_size}), got "
-                             f"{index.tolist()}")
-        stores = (self._k_store, self._v_store, self._pos_store, self._last_pos)
-        self._runs.take_rows(index)
-        if index.numel() == self.batch_size:
-            for t in stores:
-                t.copy_(t.index_select(0, index))
-            return
-        self._k_store, self._v_store, self._pos_store, self._last_pos = (
-            t.index_select(0, index) for t in stores)
-        n = self._spare
-        self.k, self.v = self._k_store[:, :, :n], self._v_store[:, :, :n]
-        self.positions = self._pos_store[:, :n]
-        self.batch_size = index.numel()
-        self._flat_views()
-
-    # ------------------------------------------------------------------ taking tokens back
-    def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:
-        """Forget every stored position ``>= lengths[b]`` of row b (rejected draft tokens).
-
-        Row b may then write from position ``lengths[b]`` again. Nothing is restored: a key that
-        a forgotten token overwrote is gone. So ``check`` (the default) raises ValueError, and
-        changes nothing, unless row b still holds every position its next query needs,
-        ``lengths[b] - window + 1 .. lengths[b] - 1`` (positions are a token sequence's, one
-        per index). A ring can take back ``capacity - window + 1`` tokens: one without spare
-        slots (chapter 13). ``check=False`` skips the check and its host sync.
-        """
-        if check:
-            self._check_truncate(lengths)
-        lengths = lengths.to(torch.int64)
-        self._pos_store.masked_fill_(self._pos_store >= lengths[:, None], -1)
-        torch.minimum(self._last_pos, lengths - 1, out=self._last_pos)
-        self._runs.forget()  # how many of each row's positions are left is not known here
-
-    def missing_positions(self, lengths: torch.Tensor) -> list[list[int]]:
-        """Per row b: positions a query at ``lengths[b]`` needs, ``lengths[b] - W + 1 ..
-        lengths[b] - 1``, that the cache does not hold (a host sync; for checks and reports)."""
-        return missing_positions(self.positions, lengths, self.window)
-
-    def _check_truncate(self, lengths: torch.Tensor) -> None:
-        check_truncate(lengths, self.positions, self._last_pos, window=self.window,
-                       capacity=self.capacity)
-
     def __repr__(self) -> str:
+        rope = getattr(self.sink_rope, "__name__", self.sink_rope)
         return (f"RingKVCache(batch_size={self.batch_size}, num_kv_heads={self.num_kv_heads}, "
                 f"window={self.window}, capacity={self.capacity}, head_dim={self.head_dim}, "
-                f"sinks={self.sinks}, "
-                f"sink_rope={getattr(self.sink_rope, '__name__', self.sink_rope)}, "
-                f"dtype={self.dtype}, device={self.device})")
-
-@dataclass(frozen=True)
-class _Told:
-    """What one call tells a cache about its rows' runs (:class:`_Runs`).
-
-    ``grow > 0``: the call's ``grow`` tokens are every row's next positions (``next``);
-    ``rows``: each row's run after the call, found on the device by validation; neither: the
-    positions were not looked at (a trusted call), so nothing is known.
-    """
-
-    grow: int = 0
-    rows: torch.Tensor | None = None  # (B,)
-    least: int = 0  # smallest run after the call (host)
-
-    @property
-    def next(self) -> bool:
-        return self.grow > 0
-
-
-class _Runs:
-    """Each row's run: how many of its newest positions are consecutive, up to ``capacity``.
-
-    A row whose run is ``capacity`` holds exactly positions ``newest - C + 1 .. newest``.
-    ``least``, the smallest run over the rows, is a host int kept from what the cache was told,
-    never read back in a decode step: a call at every row's next positions (validation's one
-    host sync found it, or ``contiguous=True`` vouched it) adds its T tokens to every run and
-    touches no tensor; another validated call computes the runs on the device and reads their
-    minimum in the validation's sync; a trusted call, ``truncate`` and ``reset`` forget.
-    """
-
-    def __init__(self, batch_size: int, capacity: int, device: torch.device) -> None:
-        self.capacity = capacity
-        self.least = 0
-        self._rows = torch.zeros(batch_size, dtype=torch.int64, device=device)  # at last look
-        self._since = 0  # tokens every row has grown by since then
-        self._known = False  # whether _rows holds runs (else they are read as 0)
-
-    def grown(self, T: int) -> _Told:
-        """A call of ``T`` tokens at every row's next positions."""
-        return _Told(grow=T, least=min(self.capacity, self.least + T))
-
-    def after(self, positions: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-        """``(B,)`` runs once validated ``positions`` (B, T) are written; ``before`` (B, T) is
-        each token's previous position in its row (-1 for none)."""
-        real = positions >= 0
-        gap = real & (positions != before + 1)  # a real token not right after its row's last
-        seg = gap.cumsum(dim=1)  # (B, T): gaps so far
-        tail = (real & (seg == seg[:, -1:])).sum(dim=1)  # real tokens from the last gap on
-        now = (self._rows if self._known else torch.zeros_like(self._rows)) + self._since
-        return torch.where(seg[:, -1] == 0, now + tail, tail).clamp_max(self.capacity)
-
-    def commit(self, told: _Told) -> None:
-        """Take what a call that has now been written told."""
-        if told.next:
-            self._since += told.grow
-        elif told.rows is not None:
-            self._rows.copy_(told.rows)
-            self._since, self._known = 0, True
-        else:
-            self._since, self._known = 0, False
-        self.least = told.least
-
-    def forget(self) -> None:
-        self.commit(_Told())
-
-    def take_rows(self, index: torch.Tensor) -> None:
-        """Rows rearranged (repeated, selected): each row's run goes with it; ``least`` stays
-        a lower bound (the smallest of some of the same runs)."""
-        self._rows = self._rows.index_select(0, index)
+                f"sinks={self.sinks}, sink_rope={rope}, dtype={self.dtype}, device={self.device})")

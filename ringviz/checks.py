@@ -100,13 +100,14 @@ def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_d
 
 
 def check_positions(positions: torch.Tensor, newest: torch.Tensor, T: int, *,
-                    also: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int | None:
+                    also: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> list[int] | None:
     """New positions ``(B, T)`` that may follow rows whose newest stored positions are ``newest``.
 
     Integer, of shape ``(len(newest), T)``; per row, every position but padding (-1) after the
     row's newest and after the ones before it in the chunk. One host sync when valid. ``also``
-    maps ``before`` (B, T), each token's previous position in its row (-1: none), to a 0-d
-    integer tensor, which is read in that same sync and returned.
+    maps ``before`` (B, T), each token's previous position in its row (-1: none), to a 1-D
+    int64 tensor, which is read in that same sync and returned as a list.
 
     >>> check_positions(torch.tensor([[3, -1, 5]]), torch.tensor([2]), 3)
     >>> check_positions(torch.tensor([[2]]), torch.tensor([2]), 1)
@@ -128,9 +129,9 @@ def check_positions(positions: torch.Tensor, newest: torch.Tensor, T: int, *,
         if not bool(bad.any()):  # the only host sync of a valid call
             return None
     else:
-        n_bad, value = torch.stack([bad.sum(), also(before)]).tolist()  # the only host sync
+        n_bad, *values = torch.cat([bad.sum()[None], also(before)]).tolist()  # the one sync
         if not n_bad:
-            return value
+            return values
     if bool((positions < -1).any()):
         raise ValueError("positions must be >= 0, or -1 for padding; got other negatives")
     b, t = (int(i) for i in bad.nonzero()[0])

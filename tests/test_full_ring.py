@@ -12,35 +12,20 @@ import random
 
 import pytest
 import torch
+from host_reads import HostReads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringviz import RingKVCache
-from ringviz.cache import _Told
 from ringviz.rope import apply_rope
-
-# the ops through which a tensor's value reaches the host (bool(), int(), .tolist(), equal)
-HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.equal.default,
-              torch.ops.aten.is_nonzero.default}
+from ringviz.runs import Told
 
 
 class MaskedRing(RingKVCache):
     """Today's masked path always: validates like the ring, then claims to know nothing."""
 
-    def _told(self, *args, **kwargs) -> _Told:
+    def _told(self, *args, **kwargs) -> Told:
         super()._told(*args, **kwargs)
-        return _Told()
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the ops that read a tensor's value back to the host."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in HOST_READS
-        return func(*args, **(kwargs or {}))
+        return Told()
 
 
 def state(cache: RingKVCache) -> tuple[torch.Tensor, ...]:
@@ -232,3 +217,35 @@ def test_window_full_in_a_trusted_loop_needs_contiguous():
     pos += 1
     cache.step(q, k, k, pos, check=False)
     assert not cache.window_full
+
+
+def test_trusted_decode_step_is_one_op_sequence_for_any_position():
+    """A trusted step (check=False, contiguous=True) must be capturable in a CUDA graph: the
+    same ops with the same non-tensor arguments whatever the positions, so nothing about them
+    (a slot picked on the host) is baked in. A validated step reads them and may differ."""
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            plain = tuple(a for a in args if not isinstance(a, torch.Tensor | list))
+            self.calls.append((func, plain))
+            return func(*args, **(kwargs or {}))
+
+    cache, pos = full_ring()
+    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8)
+    seen = []
+    for _ in range(3):
+        pos += 1
+        with Ops() as mode:
+            cache.step(q, k, k, pos, check=False, contiguous=True)
+        seen.append(mode.calls)
+    assert seen[0] == seen[1] == seen[2]
+    validated = []  # the recorder sees a host slot: a validated step picks it (narrow's start)
+    for _ in range(2):
+        pos += 1
+        with Ops() as mode:
+            cache.step(q, k, k, pos)
+        validated.append(mode.calls)
+    assert validated[0] != validated[1]

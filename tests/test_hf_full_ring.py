@@ -11,8 +11,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_full_ring import HostReads  # noqa: E402
-from test_hf import prompt, run, tiny_gemma, tiny_llama  # noqa: E402
+from host_reads import HostReads  # noqa: E402
+from tiny_models import prompt, run, tiny_gemma, tiny_llama  # noqa: E402
 
 from ringviz import hf  # noqa: E402
 from ringviz.hf.cache import RingCache  # noqa: E402

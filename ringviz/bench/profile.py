@@ -25,8 +25,9 @@ import torch
 
 from ringviz.bench.cases import Prefill, Shape, Token, _full_ring, decode_step
 from ringviz.bench.harness import Case, measure_interleaved
-from ringviz.cache import RingKVCache, _Told
+from ringviz.cache import RingKVCache
 from ringviz.checks import check_positions
+from ringviz.runs import Told
 
 STAGES = {"masked": ("loop", "validation", "write", "mask", "attention"),
           "unmasked": ("loop", "validation", "write", "attention")}
@@ -39,7 +40,7 @@ def masked_step(cache: RingKVCache, q: torch.Tensor, k: torch.Tensor, v: torch.T
     check_positions(pos, cache._last_pos, 1)  # the general check: one host sync
     if upto == "validation":
         return None
-    cache._write(k, v, pos, _Told())  # told nothing: the guarded write
+    cache._write(k, v, pos, Told())  # told nothing: the guarded write
     if upto == "write":
         return None
     mask = cache._decode_mask(pos)
