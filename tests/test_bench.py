@@ -157,8 +157,11 @@ def test_ring_and_copying_window_decode_to_the_same_output(device):
     pre, tok = make_inputs(shape, window=8)
     ring = decode_step("ring", shape, 8, pre, tok)
     naive = decode_step("naive_cat", shape, 8, pre, tok)
+    floor = decode_step("slot_copies", shape, 8, pre, tok)  # the same slots, without the ring
     for _ in range(11):  # past one full wrap of the ring
-        torch.testing.assert_close(ring(), naive())
+        out = ring()
+        torch.testing.assert_close(out, naive())
+        torch.testing.assert_close(floor(), out, rtol=0, atol=0)
 
 
 def test_sink_caches_decode_what_they_claim(device):

@@ -17,6 +17,11 @@ Impl names (the ``impl`` field of a benchmark row):
   no mask (every key is visible once the window is full): the attention every layout must do.
   Not a strict lower bound of a measured time: a ring step can come out a little under it, by
   noise between repetitions (see each row's p10/p90).
+* ``slot_copies`` (decode_step) — the ring's storage written as no step can undercut in eager
+  PyTorch: four strided copies at a slot known in advance (k, v, the position, the row's
+  newest), then the same SDPA, with no validation and no bookkeeping. The eager floor of a
+  ring step (what is left above it is Python and checks); fusing those copies into the
+  attention (a CUDA graph, a compiled step) is the only way under it.
 * ``mlx_rotating`` (decode_step, CPU, where mlx-lm is installed) — a peer:
   :mod:`ringviz.bench.mlx_peer`, mlx-lm's ``RotatingKVCache`` step on MLX's own CPU kernels.
 """
@@ -35,7 +40,7 @@ from ringviz.cache import RingKVCache
 from ringviz.reference import ShiftWindowKVCache
 
 UPDATE_IMPLS = ("ring", "naive_cat", "naive_roll", "hf_dynamic", "hf_static")
-DECODE_IMPLS = ("ring", "attention_only", "naive_cat")
+DECODE_IMPLS = ("ring", "attention_only", "slot_copies", "naive_cat")
 
 
 @dataclass(frozen=True)
@@ -149,6 +154,20 @@ def decode_step(impl: str, shape: Shape, window: int, pre: Prefill,
     if impl == "attention_only":
         ring, _ = _full_ring(shape, window, pre)
         return lambda: F.scaled_dot_product_attention(tok.q, ring.k, ring.v, enable_gqa=gqa)
+    if impl == "slot_copies":
+        ring, pos = _full_ring(shape, window, pre)
+        slot = [window - 1]
+
+        def step() -> torch.Tensor:
+            pos.add_(1)
+            s = slot[0] = (slot[0] + 1) % window
+            ring._k_store.narrow(2, s, 1).copy_(tok.k)
+            ring._v_store.narrow(2, s, 1).copy_(tok.v)
+            ring._pos_store.narrow(1, s, 1).copy_(pos)
+            ring._last_col.copy_(pos)
+            return F.scaled_dot_product_attention(tok.q, ring.k, ring.v, enable_gqa=gqa)
+
+        return step
     if impl == "naive_cat":
         shift = _full_shift(shape, window, pre, "cat")
 

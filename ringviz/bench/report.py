@@ -42,7 +42,8 @@ def _update_figures(rows: Sequence[dict]) -> dict:
 
 
 def _decode_figures(rows: Sequence[dict]) -> dict:
-    """Per batch size B and window W: ring over attention alone, naive_cat over ring.
+    """Per batch size B and window W: ring (and the eager floor, ``slot_copies``) over attention
+    alone, naive_cat over ring.
 
     Its spread, ``..._p10`` and ``..._p90``: the 10th and 90th percentiles of the ratios of
     the two impls' samples in the same repetition block (both timed within a block, so a burst
@@ -58,8 +59,8 @@ def _decode_figures(rows: Sequence[dict]) -> dict:
             other = _median(at_b, "decode_step", "naive_cat", w)
             if ring and other:
                 out[f"decode_naive_cat_over_ring_W{w}_B{b}"] = other / ring
-            for num, den in (("ring", "attention_only"), ("mlx_rotating", "mlx_attention_only"),
-                             ("mlx_rotating", "ring")):
+            for num, den in (("ring", "attention_only"), ("slot_copies", "attention_only"),
+                             ("mlx_rotating", "mlx_attention_only"), ("mlx_rotating", "ring")):
                 out.update(_paired(at_b, num, den, w, f"decode_{num}_over_{den}_W{w}_B{b}"))
     return out
 
