@@ -4,7 +4,8 @@ A prompt with no padding, into layers that hold nothing yet, is the plain causal
 query sees the chunk's keys up to its own (a ring's window covering the chunk). The plan then
 hands those layers ``causal`` and they skip the ``(T, T)`` boolean mask. These tests run
 generate with the plan and with a plan forced to mask everything, and compare every score and
-every stored key.
+every stored key (the reference also never vouches a forward real, so the layers' plain
+writes of a first chunk are checked against their generic scatter).
 """
 
 import pytest
@@ -38,7 +39,10 @@ def chunks(monkeypatch):
 
 
 def masked_everywhere(monkeypatch):
+    """Every chunk masked, and no forward vouched real (the layers' generic writes too)."""
+    plan = RingCache._plan
     monkeypatch.setattr(RingCache, "_causal", lambda self, T: frozenset())
+    monkeypatch.setattr(RingCache, "_plan", lambda self, *args: (False, plan(self, *args)[1]))
 
 
 def stores(cache: RingCache) -> list[torch.Tensor]:

@@ -242,13 +242,17 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         if need > self.allocated:
             self._allocate(self.keys[:, :, :self.seen], self.values[:, :, :self.seen],
                            max(need, 2 * self.allocated))
-        slot = torch.where(positions >= 0, positions, self.allocated)  # (B, T); spare for pads
-        if T == 1:
-            self._k_store[self._rows, :, slot[:, 0]] = key[:, :, 0]
-            self._v_store[self._rows, :, slot[:, 0]] = value[:, :, 0]
-        else:
-            self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key)
-            self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value)
+        if real and not self.seen:  # a first chunk of real tokens: token j to slot j
+            self._k_store[:, :, :T] = key
+            self._v_store[:, :, :T] = value
+        else:  # (B, T); the spare slot for padding
+            slot = positions if real else torch.where(positions >= 0, positions, self.allocated)
+            if T == 1:
+                self._k_store[self._rows, :, slot[:, 0]] = key[:, :, 0]
+                self._v_store[self._rows, :, slot[:, 0]] = value[:, :, 0]
+            else:
+                self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key)
+                self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value)
         self.seen = need
         keys, values = self._k_store[:, :, :need], self._v_store[:, :, :need]
         if causal and query.shape[2] == need:
