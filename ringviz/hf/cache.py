@@ -168,12 +168,15 @@ class RingCache(Cache):
     def step_layer(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
         """The ring path of one layer: its store's step (write, then attention). Handed the
-        plan's own all-True mask for the layer's kind (:meth:`_plan`), without a mask; any
-        other mask (a replaced mask hook's) is used as given."""
+        plan's own mask for the layer's kind, its all-True one (:meth:`_plan`) attends without
+        a mask and a causal first chunk's (:meth:`_causal`) with SDPA's causal mask; any other
+        mask (a replaced mask hook's) is used as given."""
         plan, kind = self.plan, self.layout.kinds[layer_idx]
-        unmasked = kind in plan.unmasked and mask is plan.masks[kind]
+        planned = mask is plan.masks[kind]
         return self.layers[layer_idx].step(query, key, value, plan.positions, mask, scale,
-                                           unmasked=unmasked, real=plan.real)
+                                           unmasked=planned and kind in plan.unmasked,
+                                           causal=planned and kind in plan.causal,
+                                           real=plan.real)
 
     def plan_mask(self, layer_idx: int) -> torch.Tensor:
         """The plan's mask for layer ``layer_idx``'s kind ``(B, 1, T, K)``."""
@@ -198,7 +201,8 @@ class RingCache(Cache):
         real, unmasked = self._plan(positions, no_mask)
         masks = {kind: self._all_visible(kind, batch, positions.device) if kind in unmasked
                  else self.layers[i].mask(positions) for kind, i in self.kind_layer.items()}
-        self.plan.fill(positions, masks, unmasked=unmasked, real=real)
+        causal = self._causal(T) if real else frozenset()
+        self.plan.fill(positions, masks, unmasked=unmasked, causal=causal, real=real)
         return self.plan
 
     def _plan(self, positions: torch.Tensor, no_mask: bool) -> tuple[bool, frozenset[str]]:
@@ -208,9 +212,10 @@ class RingCache(Cache):
         Every real token of a row takes the next position (``attention_mask.cumsum``), so a
         ring holds its last W positions once its row has had W real tokens. The host keeps a
         lower bound of the fewest real tokens of any row: +T for a forward known to be all real
-        (no mask, or a column after generate's prompt), a prefill chunk's own bound in one host
-        sync (none in a decode step). A decode step then needs no mask in a ring layer once
-        that bound reaches W (no sinks), and in a full layer while no row has had padding.
+        (no mask, generate's prompt when no row of it has padding, or a column after it), a
+        prefill chunk's own bound in one host sync (none in a decode step). A decode step then
+        needs no mask in a ring layer once that bound reaches W (no sinks), and in a full layer
+        while no row has had padding.
         Under torch.compile nothing is counted (a host int read in the graph would recompile
         it every step): the masks stay, and the compiler fuses them.
         """
@@ -218,7 +223,8 @@ class RingCache(Cache):
         if torch.compiler.is_compiling():
             return False, frozenset()
         before, self._columns = self._columns, self._columns + T
-        real = no_mask or (self.prompt is not None and before >= self.prompt[0])
+        real = no_mask or (self.prompt is not None
+                           and (before >= self.prompt[0] or self.prompt[1] == self.prompt[0]))
         if real:
             self._real_least += T
         elif T > 1:  # a chunk's one host sync: the fewest real tokens of a row, at least
@@ -231,6 +237,14 @@ class RingCache(Cache):
             return real, frozenset()
         return real, frozenset(kind for kind, i in self.kind_layer.items()
                                if self._sees_everything(self.layers[i]))
+
+    def _causal(self, T: int) -> frozenset[str]:
+        """The kinds whose chunk of ``T`` real tokens sees the plain causal mask: a first
+        chunk, into layers that hold nothing (their ``plain_causal``, known on the host)."""
+        if T == 1:
+            return frozenset()
+        return frozenset(kind for kind, i in self.kind_layer.items()
+                         if self.layers[i].plain_causal(T))
 
     def _all_visible(self, kind: str, batch: int, device: torch.device) -> torch.Tensor:
         """An all-True decode mask ``(B, 1, 1, K)`` for ``kind``, kept while its shape holds:

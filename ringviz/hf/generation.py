@@ -109,6 +109,8 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
     if config.cache_implementation is not None:  # a model default (e.g. Gemma 3's "hybrid")
         kwargs["cache_implementation"] = None  # would clash with cache=: the ring replaces it
     if source is not None:  # generate appends one real token per row and step after it
-        cache.prompt = (source.shape[1], 0 if mask is None else int(mask.sum(-1).min()))
+        # (columns, fewest real tokens of a row): no mask is an all-ones one
+        columns = source.shape[1]
+        cache.prompt = (columns, columns if mask is None else int(mask.sum(-1).min()))
     with ring_active(model, cache):
         return model.generate(input_ids, cache=cache, **kwargs)

@@ -9,6 +9,7 @@ calls it with the query and the forward plan's mask (:mod:`ringviz.hf.plan`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from ringviz.attention import masked_attention, unmasked_attention
@@ -24,6 +25,20 @@ def no_mask_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Ten
     unless every token is known real, sees nothing and gets zeros."""
     out = unmasked_attention(query, keys, values, scale=scale)
     return out if real else out.masked_fill_((positions < 0)[:, None, :, None], 0.0)
+
+
+def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """A first chunk's queries ``(B, Hq, T, D)`` over its own ``T`` real keys (the plan's
+    decision): the causal mask, applied by SDPA itself, which skips the blocks above the
+    diagonal instead of scoring them against a ``(T, T)`` boolean mask.
+
+    The same kernel and arithmetic as :func:`~ringviz.attention.masked_attention` for a chunk
+    on the CPU, so the same bits (``tests/test_hf_causal.py`` pins it): a masked score adds
+    nothing to the softmax either way.
+    """
+    return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
+                                          enable_gqa=query.shape[1] != keys.shape[1])
 
 
 
@@ -92,18 +107,29 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         keys = step_key_positions(stored, q_positions, self.sinks, self.capacity)
         return band_mask(q_positions, keys, self.window, self.sinks)[:, None]
 
+    def plain_causal(self, T: int) -> bool:
+        """Whether a chunk of ``T`` real tokens, stepped now, sees exactly the causal mask:
+        the ring holds nothing yet (not allocated), the window covers the chunk, no sinks."""
+        return self.ring is None and not self.sinks and T <= self.window
+
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              positions: torch.Tensor, mask: torch.Tensor, scale: float, *,
-             unmasked: bool = False, real: bool = False) -> torch.Tensor:
+             unmasked: bool = False, causal: bool = False, real: bool = False
+             ) -> torch.Tensor:
         """:meth:`RingKVCache.step` with the plan's mask: write, attend ``(B, Hq, T, D)``.
 
         ``unmasked``: the plan found every key visible (the ring is full), so the step is the
-        write and attention with no mask; ``real``: every token is real, so each row's is its
-        next position (the ring's contiguous write).
+        write and attention with no mask; ``causal``: the plan found the chunk plain causal
+        (:meth:`plain_causal`), so its queries attend over its own keys with SDPA's causal
+        mask, then it is written; ``real``: every token is real, so each row's is its next
+        position (the ring's contiguous write).
         """
         if not self.is_initialized:
             self.lazy_initialization(key, value)
-        if unmasked:
+        if causal and query.shape[2] == key.shape[2]:
+            out = causal_attention(query, key, value, scale)
+            self.ring.write(key, value, positions, check=False, contiguous=real)
+        elif unmasked:
             self.ring.write(key, value, positions, check=False, contiguous=real)
             out = no_mask_attention(query, self.ring.k, self.ring.v, scale, positions, real)
         else:
@@ -197,11 +223,18 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         slots = torch.arange(self.seen + q_positions.shape[1], device=q_positions.device)
         return ((slots <= q_positions[..., None]) & (q_positions[..., None] >= 0))[:, None]
 
+    def plain_causal(self, T: int) -> bool:
+        """Whether a chunk of ``T`` real tokens, stepped now, sees exactly the causal mask:
+        the layer holds no column yet, so slot ``j`` will hold the chunk's ``j``-th token."""
+        return self.seen == 0
+
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              positions: torch.Tensor, mask: torch.Tensor, scale: float, *,
-             unmasked: bool = False, real: bool = False) -> torch.Tensor:
+             unmasked: bool = False, causal: bool = False, real: bool = False
+             ) -> torch.Tensor:
         """Write ``T`` tokens at slots = their positions, then attend over slots ``0..seen+T-1``
-        (``unmasked``: the plan found every slot visible, as no row has had padding)."""
+        (``unmasked``: the plan found every slot visible, as no row has had padding;
+        ``causal``: a first chunk without padding, :meth:`plain_causal`)."""
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         B, H, T, D = key.shape
@@ -209,15 +242,21 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         if need > self.allocated:
             self._allocate(self.keys[:, :, :self.seen], self.values[:, :, :self.seen],
                            max(need, 2 * self.allocated))
-        slot = torch.where(positions >= 0, positions, self.allocated)  # (B, T); spare for pads
-        if T == 1:
-            self._k_store[self._rows, :, slot[:, 0]] = key[:, :, 0]
-            self._v_store[self._rows, :, slot[:, 0]] = value[:, :, 0]
-        else:
-            self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key)
-            self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value)
+        if real and not self.seen:  # a first chunk of real tokens: token j to slot j
+            self._k_store[:, :, :T] = key
+            self._v_store[:, :, :T] = value
+        else:  # (B, T); the spare slot for padding
+            slot = positions if real else torch.where(positions >= 0, positions, self.allocated)
+            if T == 1:
+                self._k_store[self._rows, :, slot[:, 0]] = key[:, :, 0]
+                self._v_store[self._rows, :, slot[:, 0]] = value[:, :, 0]
+            else:
+                self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key)
+                self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value)
         self.seen = need
         keys, values = self._k_store[:, :, :need], self._v_store[:, :, :need]
+        if causal and query.shape[2] == need:
+            return causal_attention(query, keys, values, scale)
         if unmasked:
             return no_mask_attention(query, keys, values, scale, positions, real)
         empty = positions[:, T - query.shape[2]:] < 0  # the queries' rows (Gemma 4 keeps fewer)

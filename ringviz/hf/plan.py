@@ -23,30 +23,33 @@ NOT_THROUGH_GENERATE = (
 class ForwardPlan:
     """One forward's positions and masks (one object per cache, refilled by :meth:`fill`).
 
-    ``positions`` ``(B, T)`` absolute, -1 = padding; ``padding`` their ``< 0``; ``masks`` bool
-    ``(B, 1, T, K)`` per layer kind; ``last_layer``: the last layer that stepped with it (-1:
-    none yet), so a stale plan (a forward that skipped the mask hook) is refused.
+    ``positions`` ``(B, T)`` absolute, -1 = padding; ``masks`` bool ``(B, 1, T, K)`` per layer
+    kind; ``last_layer``: the last layer that stepped with it (-1: none yet), so a stale plan
+    (a forward that skipped the mask hook) is refused.
     ``unmasked``: the kinds whose query sees every key (their mask an all-True view, skipped
-    by their layers' step); ``real``: every new token is known to be real (no padding).
+    by their layers' step); ``real``: every new token is known to be real (no padding);
+    ``causal``: the kinds whose chunk is a first chunk without padding, so each query sees the
+    chunk's keys up to its own (the plain causal mask, which SDPA applies itself).
     """
 
     def __init__(self) -> None:
         self.positions: torch.Tensor | None = None
-        self.padding: torch.Tensor | None = None
         self.masks: dict[str, torch.Tensor] = {}
         self.unmasked: frozenset[str] = frozenset()
+        self.causal: frozenset[str] = frozenset()
         self.real = False
         self.last_layer = -1
 
     def fill(self, positions: torch.Tensor, masks: dict[str, torch.Tensor], *,
-             unmasked: frozenset[str] = frozenset(), real: bool = False) -> None:
-        self.positions, self.padding, self.masks = positions, positions < 0, masks
-        self.unmasked, self.real = unmasked, real
+             unmasked: frozenset[str] = frozenset(), causal: frozenset[str] = frozenset(),
+             real: bool = False) -> None:
+        self.positions, self.masks = positions, masks
+        self.unmasked, self.causal, self.real = unmasked, causal, real
         self.last_layer = -1
 
     def clear(self) -> None:
-        self.positions, self.padding, self.masks, self.last_layer = None, None, {}, -1
-        self.unmasked, self.real = frozenset(), False
+        self.positions, self.masks, self.last_layer = None, {}, -1
+        self.unmasked, self.causal, self.real = frozenset(), frozenset(), False
 
     @property
     def fresh(self) -> bool:
