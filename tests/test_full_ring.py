@@ -194,17 +194,24 @@ def full_ring(B=2, W=16):
     return cache, torch.full((B, 1), W - 1)
 
 
+def recorded_steps(cache, pos, record, steps, **step_kwargs):
+    """``steps`` decode steps of ``full_ring``'s cache at the next positions (``pos`` advanced
+    in place), each under a fresh ``record()`` dispatch mode, yielded once the step is done."""
+    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8)
+    for _ in range(steps):
+        pos += 1
+        with record() as mode:
+            cache.step(q, k, k, pos, **step_kwargs)
+        yield mode
+
+
 @pytest.mark.parametrize("check", [True, False])
 def test_decode_step_reads_back_what_it_did_before(check):
     """A full ring's decode step reads one value back (validation) or none (trusted): the
     fast path adds no host read to either."""
     cache, pos = full_ring()
-    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8)
     reads = []
-    for _ in range(3):
-        pos += 1
-        with HostReads() as mode:
-            cache.step(q, k, k, pos, check=check, contiguous=not check)
+    for mode in recorded_steps(cache, pos, HostReads, 3, check=check, contiguous=not check):
         reads.append(mode.count)
         assert cache.window_full
     assert reads == [1 if check else 0] * 3
@@ -234,18 +241,8 @@ def test_trusted_decode_step_is_one_op_sequence_for_any_position():
             return func(*args, **(kwargs or {}))
 
     cache, pos = full_ring()
-    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 1, 8)
-    seen = []
-    for _ in range(3):
-        pos += 1
-        with Ops() as mode:
-            cache.step(q, k, k, pos, check=False, contiguous=True)
-        seen.append(mode.calls)
+    seen = [m.calls for m in recorded_steps(cache, pos, Ops, 3, check=False, contiguous=True)]
     assert seen[0] == seen[1] == seen[2]
-    validated = []  # the recorder sees a host slot: a validated step picks it (narrow's start)
-    for _ in range(2):
-        pos += 1
-        with Ops() as mode:
-            cache.step(q, k, k, pos)
-        validated.append(mode.calls)
+    # the recorder sees a host slot: a validated step picks it (narrow's start)
+    validated = [m.calls for m in recorded_steps(cache, pos, Ops, 2)]
     assert validated[0] != validated[1]

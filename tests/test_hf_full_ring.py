@@ -108,7 +108,7 @@ def test_unmasked_decode_adds_no_host_read(monkeypatch):
     """A decode forward's plan reads nothing back: the same host reads with and without it."""
     model = tiny_gemma()
 
-    def decode_reads() -> int:
+    def decode_reads() -> tuple[int, frozenset[str]]:
         cache = hf.RingCache(model)
         with torch.no_grad(), hf.ring_active(model, cache):
             model(input_ids=prompt(8), cache=cache)
