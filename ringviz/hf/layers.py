@@ -41,7 +41,6 @@ def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
                                           enable_gqa=query.shape[1] != keys.shape[1])
 
 
-
 class RowsMixin:
     """Hugging Face's row operations on a cache layer, all through ``take_rows(index)``.
 
