@@ -1,6 +1,6 @@
 """``conform`` rows: wall time of ``ringviz.conformance.check(examples=100)`` on W = 6 caches.
 
-The target (issue 17): under 30 s on one CPU thread, so a reader runs a check in a notebook
+The target: under 30 s on one CPU thread, so a reader runs a check in a notebook
 without waiting. Each cache's whole check is one sample (hypothesis draws, runs and, for a
 failing cache, shrinks the schedules); the caches are interleaved round-robin so machine noise
 hits them alike. A correct cache runs all ``examples`` schedules, the slow case; a failing one

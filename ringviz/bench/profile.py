@@ -3,12 +3,14 @@
 ``bench="decode_profile"`` rows split one ``RingKVCache`` decode step on a full ring into its
 stages and time each, for the two paths:
 
-* ``masked`` (before the fast path, and still every step that is not known full): validation
-  (shapes, then every position after its row's newest, one host sync), the guarded write
-  (padding to the spare slot, the newest kept by ``maximum``), the mask from stored positions,
-  masked attention (SDPA with a boolean mask, then the rows that see nothing zeroed);
-* ``unmasked`` (:attr:`ringviz.RingKVCache.window_full`): validation that is one ``torch.equal``
-  with every row's newest + 1, the write of every row's next slot, SDPA with no mask.
+* ``masked`` (every step on a ring not known to be full): validation (shapes, then every
+  position after its row's newest, one host sync), the guarded write (padding to the spare
+  slot, the newest kept by ``maximum``), the mask from stored positions, masked attention (SDPA
+  with a boolean mask, then the rows that see nothing zeroed);
+* ``unmasked`` (:attr:`ringviz.RingKVCache.window_full`): validation that reads the positions
+  once with ``tolist`` (the one host sync; the rows' newest with them if the host does not
+  already hold those) and finds each its row's newest + 1
+  (:meth:`ringviz.runs.Runs.validated`), the write of every row's next slot, SDPA with no mask.
 
 A stage's time is the difference between two cumulative runs (the stages before it, then one
 more), all timed in the same interleaved blocks as the other benches, with ``attention_only``

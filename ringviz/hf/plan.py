@@ -4,7 +4,7 @@ transformers asks for masks (once per layer kind) before any layer runs; the fir
 forward builds a :class:`ForwardPlan` for every kind at once, the way mistral-inference computes
 its cache metadata once per step, and every layer of that forward reads it::
 
-    plan: positions (B, T), padding (B, T), per kind: key positions -> mask (B, 1, T, K)
+    plan: positions (B, T) (-1 = padding), per kind: key positions -> mask (B, 1, T, K)
     layer i: q, k, v (RoPE by HF at plan.positions) -> step: ring write + attention, plan's mask
 
 A plan is spent once a layer has stepped with it; the next ask for a mask starts a new one.

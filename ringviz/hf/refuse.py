@@ -1,9 +1,11 @@
 """Model features the ring path cannot serve, refused before the first forward writes anything.
 
 A RingCache is exact for causal and sliding-window attention with RoPE applied as a rotation.
-What a model adds beyond that is found here, when the cache is built (:func:`check_rope`) or when
-a forward is about to run (:func:`check_forward`), never half-way through a forward and never
-silently.
+What a model adds beyond that is found here, never half-way through a forward and never
+silently: a RoPE the sink convention cannot turn when the cache is built (:func:`check_rope`),
+attention dropout in train() when the ring attention is switched on (:func:`check_eval_mode`,
+with :func:`attention_dropout`), and enabled gradients at the start of every ring forward
+(:func:`check_no_grad`).
 """
 
 from __future__ import annotations

