@@ -191,7 +191,7 @@ def test_nbytes_counts_every_layer():
 # ------------------------------------------------------------------------- errors
 def _state(model, cache):
     return (model.config._attn_implementation, cache.get_seq_length(), cache.nbytes,
-            attention._ACTIVE.cache)
+            attention._SERVING.cache)
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
@@ -231,17 +231,21 @@ def test_plain_generate_with_a_ring_cache_raises_naming_the_call():
     assert cache.get_seq_length() == 0 and cache.nbytes == 0  # refused before any write
 
 
-def test_interrupted_cache_still_refuses_a_non_continuation_and_switch_restored():
+def test_interrupted_cache_is_refused_and_switch_restored():
     model = tiny_gemma(dtype=torch.float32)
     cache = hf.RingCache(model)
     with pytest.raises(KeyboardInterrupt):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=9,
                     streamer=Collect(fail_at=4))
-    assert model.config._attn_implementation == "sdpa" and attention._ACTIVE.cache is None
+    assert model.config._attn_implementation == "sdpa" and attention._SERVING.cache is None
     state = _state(model, cache)
-    with pytest.raises(ValueError, match="whole conversation"):
-        hf.generate(model, prompt(8), cache=cache, max_new_tokens=3)
+    for ids in (prompt(8), prompt(20)):  # neither a retry nor a longer conversation goes on
+        with pytest.raises(RuntimeError, match="raised KeyboardInterrupt after the cache had"):
+            hf.generate(model, ids, cache=cache, max_new_tokens=3)
     assert _state(model, cache) == state
+    cache.reset()  # emptied, it serves again
+    assert torch.equal(hf.generate(model, prompt(8), cache=cache, max_new_tokens=3),
+                       hf.generate(model, prompt(8), max_new_tokens=3))
 
 
 @pytest.mark.parametrize("window", [0, -3, 2.5, True, "8"])

@@ -25,7 +25,7 @@ def tiny(model_cls, config_cls, **kwargs):
 
 def _state(model, cache):
     return (model.config._attn_implementation, [int(x.get_seq_length()) for x in cache.layers],
-            cache.nbytes, attention._ACTIVE.cache)
+            cache.nbytes, attention._SERVING.cache)
 
 
 # ------------------------------------------------------------------------- model features

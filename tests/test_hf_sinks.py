@@ -165,13 +165,13 @@ def test_bad_sink_arguments_raise_and_change_nothing(kwargs, error, match):
         RingRunner(model, 1, None, 16, **kwargs)  # the same rule, the same words
     cache = hf.RingCache(model)
     state = (model.config._attn_implementation, cache.get_seq_length(), cache.nbytes,
-             attention._ACTIVE.cache)
+             attention._SERVING.cache)
     with pytest.raises(error, match=match):
         hf.generate(model, prompt(8), max_new_tokens=3, **kwargs)
     with pytest.raises(error, match=match):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=3, **kwargs)
     assert state == (model.config._attn_implementation, cache.get_seq_length(), cache.nbytes,
-                     attention._ACTIVE.cache)
+                     attention._SERVING.cache)
 
 
 @pytest.mark.parametrize("kwargs", [{"sinks": 1}, {"sinks": 2, "sink_convention": "absolute"},

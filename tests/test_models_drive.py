@@ -42,14 +42,14 @@ def test_llama_ring_matches_band_mask(device, prompt):
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_gemma])
-def test_cheap_switch_equals_full_switch_and_restores(device, make):
+def test_later_switches_set_the_configs_the_first_changed_and_restore(device, make):
     model = make(device)
     ids = tokens(20, device)
-    fast = RingRunner(model, 1, 6, capacity=len(ids))
-    slow = RingRunner(model, 1, 6, capacity=len(ids))
-    slow.one_config = False  # transformers' set_attn_implementation on every forward
-    assert fast.one_config  # causal LMs whose modules all read model.config
-    assert torch.equal(ring_logits(fast, [ids], [9])[0], ring_logits(slow, [ids], [9])[0])
+    runner = RingRunner(model, 1, 6, capacity=len(ids))
+    first = ring_logits(runner, [ids], [9])[0]
+    assert runner.cache.attention_configs == [model.config]  # causal LMs: one config
+    runner.reset()
+    assert torch.equal(ring_logits(runner, [ids], [9])[0], first)
     assert model.config._attn_implementation == "sdpa"
     assert all(m.config._attn_implementation == "sdpa" for m in model.modules()
                if hasattr(m, "config"))
@@ -206,7 +206,7 @@ def test_interrupted_forward_refuses_until_reset_then_equals_clean_run(device, m
     monkeypatch.undo()
     assert int(runner.caches[0]._last_pos) == 8 and layer1.seen == 8  # 0..7, not 8
     for pos in (8, 9):  # neither the retry nor the next position is silently decoded
-        with pytest.raises(RuntimeError, match=r"left mid-step.*runner.reset\(\)"):
+        with pytest.raises(RuntimeError, match=r"cannot be used again.*runner.reset\(\)"):
             runner.forward(ids[None, pos:pos + 1], torch.tensor([[pos]], device=device))
     runner.reset()
     assert torch.equal(ring_logits(runner, [ids], [8])[0], clean)

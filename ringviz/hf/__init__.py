@@ -14,7 +14,9 @@ order); a ring's slots break that as soon as it wraps, is not full, takes a chun
 So the masks come from ringviz: a mask function registered in ``AttentionMaskInterface`` under
 :data:`ATTN_NAME` (transformers calls it once per layer type and forward) reads the ring's stored
 positions, and an attention function registered in ``AttentionInterface`` under the same name
-applies them. :func:`generate` switches the model to that name for the call and back afterwards.
+applies them. :func:`generate` switches the model to that name for the call and back afterwards,
+however the call ends; the cache it serves travels in the calling thread's slot, never in a
+module global, and one ring call holds a model at a time.
 Plain ``model.generate(cache=RingCache(model))`` keeps the stock masks, so the first cache write
 raises an error that names :func:`generate`; it is never silently wrong.
 
@@ -41,7 +43,7 @@ Positions: a row's token at absolute position ``p`` is the ``p``-th real token o
 takes a slot.
 """
 
-from ringviz.hf.attention import ATTN_NAME, register, ring_active
+from ringviz.hf.attention import ATTN_NAME, register, ring_active, serving_cache
 from ringviz.hf.cache import RingCache, check_model
 from ringviz.hf.config import layer_windows, read_layout
 from ringviz.hf.generation import PREFILL_CHUNK, generate
@@ -49,4 +51,5 @@ from ringviz.hf.layers import FullLayer, RingLayer
 from ringviz.hf.plan import ForwardPlan
 
 __all__ = ["ATTN_NAME", "PREFILL_CHUNK", "ForwardPlan", "FullLayer", "RingCache", "RingLayer",
-           "check_model", "generate", "layer_windows", "read_layout", "register", "ring_active"]
+           "check_model", "generate", "layer_windows", "read_layout", "register", "ring_active",
+           "serving_cache"]

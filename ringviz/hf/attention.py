@@ -3,16 +3,24 @@
 transformers looks both up by the model's attention implementation. :func:`register` puts
 :func:`ring_mask` in ``AttentionMaskInterface`` and :func:`ring_attention` in
 ``AttentionInterface`` under :data:`ATTN_NAME`; :func:`ring_active` switches a model to that name
-for a block and tells the mask function which :class:`~ringviz.hf.cache.RingCache` to serve.
+for a block and tells the hooks which :class:`~ringviz.hf.cache.RingCache` this call serves.
+
+Nothing outlives a call. transformers hands its mask hook no cache, so the cache travels in a
+slot of the calling thread (:func:`serving_cache`), set on entry and cleared on exit; another
+thread sees its own slot, never this call's cache. The model is a shared object: one ring call
+holds it at a time (a second, from any thread, is refused before anything runs), and every exit
+(return, exception, KeyboardInterrupt) restores each config's attention implementation to the
+value it had on entry, so a plain Hugging Face call afterwards is Hugging Face's, bit for bit.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 
 from ringviz.hf.cache import RingCache
@@ -22,13 +30,27 @@ from ringviz.hf.refuse import check_eval_mode, check_no_grad
 ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transformers' registries
 
 
-class _Active:
-    """The cache the mask function serves (a plain attribute, which torch.compile can read)."""
+class _Serving(threading.local):
+    """The cache this thread's ring call serves: a plain attribute (torch.compile reads it)."""
 
     cache: RingCache | None = None
 
 
-_ACTIVE = _Active()
+_SERVING = _Serving()  # one slot per thread, set and cleared by ring_active
+_TAKE = threading.Lock()  # makes "is the model free? then switch it" one step across threads
+
+IN_USE = ("{model} is serving a ringviz.hf call already (another thread's, or a call inside a "
+          "call): one ring call per model at a time; give each thread its own model "
+          "(copy.deepcopy(model))")
+
+
+def serving_cache(config=None) -> RingCache:
+    """The RingCache this thread's ring call serves (for ``config``'s model, when given)."""
+    cache = _SERVING.cache
+    if cache is None or (config is not None and cache.config is not config):
+        raise RuntimeError(NOT_THROUGH_GENERATE + " (Or another thread is running a ringviz.hf "
+                           "call on this model: one ring call per model at a time.)")
+    return cache
 
 
 def _is_plain_causal(mask_function: Callable, local_size: int | None,
@@ -52,9 +74,7 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     layers), before any layer runs; the first call of a forward makes the cache's forward plan
     (positions and every kind's mask), the others read it.
     """
-    cache = _ACTIVE.cache
-    if cache is None or cache.config is not config:
-        raise RuntimeError(NOT_THROUGH_GENERATE)
+    cache = serving_cache(config)
     check_no_grad()  # before any layer of this forward runs
     kind = "full" if local_size is None else "sliding"
     if kind not in cache.kind_layer:
@@ -94,10 +114,7 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         raise ValueError(f"the model changed the ring's mask into a {attention_mask.dtype} "
                          f"mask over {attention_mask.shape[1]} heads (a learned per-head mask, "
                          f"as in Doge): the ring attention path does not implement it")
-    cache = _ACTIVE.cache
-    if cache is None:
-        raise RuntimeError(NOT_THROUGH_GENERATE)
-    out = cache.attend(module.layer_idx, query, key, value, attention_mask, scaling)
+    out = serving_cache().attend(module.layer_idx, query, key, value, attention_mask, scaling)
     return out.transpose(1, 2), None  # HF expects (B, T, Hq, D)
 
 
@@ -107,55 +124,80 @@ def register() -> None:
     AttentionMaskInterface.register(ATTN_NAME, ring_mask)
 
 
+def attention_configs(model) -> list[PreTrainedConfig]:
+    """Every config whose attention implementation ``set_attn_implementation`` may change: the
+    model's, its sub-configs at any depth, and each sub-model's."""
+    found: dict[int, PreTrainedConfig] = {}
+    todo = [model.config] + [getattr(m, "config", None) for m in model.modules()]
+    while todo:
+        config = todo.pop()
+        if isinstance(config, PreTrainedConfig) and id(config) not in found:
+            found[id(config)] = config
+            todo += [getattr(config, key, None) for key in config.sub_configs]
+    return list(found.values())
+
+
 @contextmanager
-def attention_implementation(model, name: str, *, one_config: bool = False) -> Iterator[None]:
-    """Switch the model's attention implementation for a block, then restore it.
+def attention_implementation(model, name: str, configs: list | None = None) -> Iterator[None]:
+    """Switch the model's attention implementation to ``name`` for a block, then restore it.
 
-    ``set_attn_implementation`` validates the name and walks every module: 0.42 ms a call on
-    Gemma 3 (measured, CPU), twice per ring forward. With ``one_config=True`` (every module
-    reads ``model.config`` itself, see :func:`shares_one_config`; the name validated once
-    already) the switch is the one config attribute ``set_attn_implementation`` itself sets.
+    On exit, however the block ends, every config in ``configs`` (default:
+    :func:`attention_configs`) gets back the exact value it had on entry. Given ``configs``
+    (the ones an earlier ``set_attn_implementation(name)`` changed, the name validated then),
+    the switch sets their one attribute; otherwise it goes through ``set_attn_implementation``.
+    Refused, changing nothing, while the model already runs under ``name``.
     """
-    before = model.config._attn_implementation
-
-    def switch(impl: str) -> None:
-        if one_config:
-            model.config._attn_implementation_internal = impl
-        else:
-            model.set_attn_implementation(impl)
-
-    switch(name)
+    with _TAKE:
+        if model.config._attn_implementation == name:
+            raise RuntimeError(IN_USE.format(model=type(model).__name__))
+        saved = [(c, c._attn_implementation_internal)
+                 for c in (attention_configs(model) if configs is None else configs)]
+        try:
+            if configs is None:
+                model.set_attn_implementation(name)
+            else:
+                for config in configs:
+                    config._attn_implementation_internal = name
+        except BaseException:
+            _restore(saved)
+            raise
     try:
         yield
     finally:
-        switch(before)
+        with _TAKE:
+            _restore(saved)
 
 
-def shares_one_config(model) -> bool:
-    """True when every module reads ``model.config`` itself and it has no sub-configs."""
-    config = model.config
-    return not config.sub_configs and all(
-        getattr(module, "config", config) is config for module in model.modules())
+def _restore(saved: list) -> None:
+    for config, value in saved:
+        config._attn_implementation_internal = value
 
 
 @contextmanager
-def ring_active(model, cache: RingCache, *, fast_switch: bool = True) -> Iterator[None]:
+def ring_active(model, cache: RingCache) -> Iterator[None]:
     """Serve ``cache`` to the model's forwards in a block: what :func:`generate` wraps.
 
     Inside, ``model(input_ids, cache=cache)`` runs the ring path (masks from the cache's stored
-    positions); on exit the attention implementation is restored, also on error. The first
-    switch for a cache goes through ``set_attn_implementation`` (it validates the name); later
-    ones, with ``fast_switch``, set the one config attribute (:func:`attention_implementation`).
+    positions), in this thread only. On exit the model's attention implementation is what it
+    was and this thread serves no cache, also on error; a forward that raised after some of
+    its layers had stepped leaves ``cache`` refused (:meth:`RingCache.check_usable`), never
+    half-written and silently reused. The first block for a cache validates the switch through
+    ``set_attn_implementation``; later ones set the configs it changed.
     """
+    cache.check_usable()
     check_eval_mode(model)
     register()
-    before, _ACTIVE.cache = _ACTIVE.cache, cache
-    try:
-        with attention_implementation(model, ATTN_NAME,
-                                      one_config=fast_switch and cache.switch_fast):
-            cache.switch_fast = shares_one_config(model) if not cache.switch_fast \
-                else cache.switch_fast
+    configs = cache.attention_configs
+    with attention_implementation(model, ATTN_NAME, configs):
+        if configs is None:
+            cache.attention_configs = [c for c in attention_configs(model)
+                                       if c._attn_implementation_internal == ATTN_NAME]
+        before, _SERVING.cache = _SERVING.cache, cache
+        try:
             yield
-    finally:
-        _ACTIVE.cache = before
-        cache.end_forward()
+        except BaseException as error:
+            cache.forward_failed(error)
+            raise
+        finally:
+            _SERVING.cache = before
+            cache.end_forward()

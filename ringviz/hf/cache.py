@@ -92,7 +92,9 @@ class RingCache(Cache):
                                  f"{windows[first]} and {w}")
         self.plan = ForwardPlan()
         self.given_positions: torch.Tensor | None = None  # the next forward's, if set
-        self.switch_fast = False  # set by ring_active once the attention switch is validated
+        # the configs ring_active switches (found by its first, validated switch)
+        self.attention_configs: list | None = None
+        self.refused: str | None = None  # why this cache may not be used again, if it may not
         self._checked_kinds: set[str] = set()
         # What the cache was told, on the host (never read back in a decode step): columns so
         # far, the fewest real tokens any row has, and generate's prompt (columns, fewest real)
@@ -113,7 +115,8 @@ class RingCache(Cache):
         Every tensor is copied; the model's config (the identity the hooks check) and the sink
         rotation (the model's own rotary embedding) are shared, not copied.
         """
-        memo[id(self.config)] = self.config
+        for config in (self.config, *(self.attention_configs or ())):
+            memo[id(config)] = config
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for name, value in self.__dict__.items():
@@ -121,17 +124,30 @@ class RingCache(Cache):
         return new
 
     def seen_columns(self) -> int:
-        """Columns (tokens, padding included) every layer has taken so far (a host sync).
+        """Columns (tokens, padding included) every layer has taken so far (a host sync)."""
+        self.check_usable()
+        return int(self.layers[0].get_seq_length())
 
-        Raises if the layers disagree: a forward stopped part-way (an exception inside the
-        model, Ctrl-C) left some layers a step ahead, and decoding on would mix two states.
+    def check_usable(self) -> None:
+        """Raise if a call that failed part-way left this cache refused (:meth:`forward_failed`)."""
+        if self.refused is not None:
+            raise RuntimeError(self.refused)
+
+    def forward_failed(self, error: BaseException) -> None:
+        """A ring call raised ``error``: refuse this cache from now on if it stopped a forward
+        part-way, some layers written and the rest not.
+
+        Decoding on would mix two states. Nothing is rolled back (a ring has overwritten what
+        it would need).
         """
-        counts = {int(layer.get_seq_length()) for layer in self.layers}
-        if len(counts) > 1:
-            raise ValueError(f"this RingCache's layers hold different token counts "
-                             f"{sorted(counts)}: a forward was stopped part-way; build a new "
-                             f"cache (or copy.deepcopy one before a call that may be stopped)")
-        return counts.pop()
+        if 0 <= self.plan.done < len(self.layers) - 1:
+            self.refuse(f"a forward raised {type(error).__name__} after {self.plan.done + 1} "
+                        f"of {len(self.layers)} layers had written its tokens")
+
+    def refuse(self, what: str) -> None:
+        """Mark this cache unusable, saying why, until :meth:`reset` empties it."""
+        self.refused = (f"this RingCache cannot be used again: {what}. Build a new one, or "
+                        f"copy.deepcopy a cache before a call that may fail")
 
     def row_tokens(self) -> torch.Tensor:
         """``(B,)`` real (unpadded) tokens each row holds: its newest position + 1."""
@@ -163,7 +179,9 @@ class RingCache(Cache):
         """Layer ``layer_idx``'s step in this forward: write its new tokens, attend with
         ``mask`` (what transformers hands the layer: the plan's mask for its kind)."""
         self.plan.enter(layer_idx)
-        return self.step_layer(layer_idx, query, key, value, mask, scale)
+        out = self.step_layer(layer_idx, query, key, value, mask, scale)
+        self.plan.done = layer_idx
+        return out
 
     def step_layer(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -272,6 +290,7 @@ class RingCache(Cache):
         """Empty every layer; the host's counts start again."""
         super().reset()
         self._columns = self._real_least = 0
+        self.refused = None
         self.end_forward()
 
     def reserve(self, tokens: int) -> None:

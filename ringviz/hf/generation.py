@@ -112,5 +112,13 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
         # (columns, fewest real tokens of a row): no mask is an all-ones one
         columns = source.shape[1]
         cache.prompt = (columns, columns if mask is None else int(mask.sum(-1).min()))
-    with ring_active(model, cache):
-        return model.generate(input_ids, cache=cache, **kwargs)
+    before = cache.seen_columns()
+    try:
+        with ring_active(model, cache):
+            return model.generate(input_ids, cache=cache, **kwargs)
+    except BaseException as error:
+        taken = 0 if cache.refused is not None else cache.seen_columns() - before
+        if taken:
+            cache.refuse(f"a generate call raised {type(error).__name__} after the cache had "
+                         f"taken {taken} columns of a reply the caller never received")
+        raise

@@ -24,8 +24,9 @@ class ForwardPlan:
     """One forward's positions and masks (one object per cache, refilled by :meth:`fill`).
 
     ``positions`` ``(B, T)`` absolute, -1 = padding; ``masks`` bool ``(B, 1, T, K)`` per layer
-    kind; ``last_layer``: the last layer that stepped with it (-1: none yet), so a stale plan
-    (a forward that skipped the mask hook) is refused.
+    kind; ``last_layer``: the last layer that began its step with it (-1: none yet), so a stale
+    plan (a forward that skipped the mask hook) is refused; ``done``: the last layer whose step
+    (its write) completed, so a forward that raises part-way is known to have written.
     ``unmasked``: the kinds whose query sees every key (their mask an all-True view, skipped
     by their layers' step); ``real``: every new token is known to be real (no padding);
     ``causal``: the kinds whose chunk is a first chunk without padding, so each query sees the
@@ -39,16 +40,17 @@ class ForwardPlan:
         self.causal: frozenset[str] = frozenset()
         self.real = False
         self.last_layer = -1
+        self.done = -1
 
     def fill(self, positions: torch.Tensor, masks: dict[str, torch.Tensor], *,
              unmasked: frozenset[str] = frozenset(), causal: frozenset[str] = frozenset(),
              real: bool = False) -> None:
         self.positions, self.masks = positions, masks
         self.unmasked, self.causal, self.real = unmasked, causal, real
-        self.last_layer = -1
+        self.last_layer = self.done = -1
 
     def clear(self) -> None:
-        self.positions, self.masks, self.last_layer = None, {}, -1
+        self.positions, self.masks, self.last_layer, self.done = None, {}, -1, -1
         self.unmasked, self.causal, self.real = frozenset(), frozenset(), False
 
     @property

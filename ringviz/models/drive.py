@@ -32,7 +32,7 @@ import torch
 
 from ringviz.cache import RingKVCache
 from ringviz.checks import check_int, sink_convention_from
-from ringviz.hf.attention import ring_active, shares_one_config
+from ringviz.hf.attention import ring_active
 from ringviz.hf.cache import RingCache
 from ringviz.hf.generation import PREFILL_CHUNK
 from ringviz.hf.layers import FullLayer, RingLayer
@@ -75,12 +75,10 @@ class RingRunner:
                                   sink_convention=sink_convention)
         self.sinks, self.sink_convention = self.cache.sinks, sink_convention
         self.windows = self.cache.windows
-        self.one_config = shares_one_config(model)  # then every forward switches cheaply
         self.caches = self._stores()
         self.prefill_chunk = PREFILL_CHUNK
         self._full = any(isinstance(c, FullLayer) for c in self.caches)
         self._next = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
-        self._mid_step = False  # True from a layer's first write until its forward completes
 
     @property
     def device(self) -> torch.device:
@@ -101,7 +99,7 @@ class RingRunner:
         for store in (*self.cache.layers, *self.caches):
             store.reset()
         self._next.zero_()
-        self._mid_step = False
+        self.cache.refused = None
 
     @property
     def nbytes(self) -> int:
@@ -114,22 +112,19 @@ class RingRunner:
 
         Every layer of one forward gets the same positions and shapes, and all rings advance
         together, so validating at layer 0 (before anything is written) covers them all and
-        spares the other layers the host sync. From the first write on, the runner counts as
-        mid-step until the forward returns (see :meth:`forward`).
+        spares the other layers the host sync.
         """
         if layer == 0:
             self._first_ring().check_step(q, k, v, positions, scale=scale)  # writes nothing
-        self._mid_step = True
         return RingCache.step_layer(self.cache, layer, q, k, v, self.cache.plan_mask(layer), scale)
 
     def _check_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Refuse a call on a runner left mid-step, mismatched shapes, positions past capacity,
-        and (with full-attention layers, whose slot is the position) positions with gaps."""
-        if self._mid_step:
-            raise RuntimeError(
-                "the ring cache was left mid-step: an earlier forward stopped (an exception or "
-                "an interrupt) after some layers had written, so the layers now hold different "
-                "positions. Call runner.reset() and feed the sequence again from its start.")
+        """Refuse a call on a cache an earlier forward left part-way (until :meth:`reset`),
+        mismatched shapes, positions past capacity, and (with full-attention layers, whose slot
+        is the position) positions with gaps."""
+        if self.cache.refused is not None:
+            raise RuntimeError(f"{self.cache.refused} (or call runner.reset() and feed the "
+                               f"sequence again from its start)")
         for name, t in (("input_ids", input_ids), ("positions", positions)):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -163,10 +158,9 @@ class RingRunner:
         """
         self._check_call(input_ids, positions)
         self.cache.given_positions = positions
-        with ring_active(self.model, self.cache, fast_switch=self.one_config):
+        with ring_active(self.model, self.cache):
             out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache,
                              use_cache=True, logits_to_keep=logits_to_keep)
-        self._mid_step = False  # every layer wrote this forward's tokens
         self._next += (positions >= 0).sum(dim=1).to(self._next.device)
         return out.logits
 
