@@ -1,12 +1,26 @@
 """The batched ring KV cache (torch): fixed storage, one slot write per token, exact attention.
 
-Storage (:mod:`ringviz.storage`) is allocated once and only written in place; ``positions``
-records the absolute position each slot holds (-1 = empty), and masks come from it, never from
-slot order. Position ``pos`` goes to slot ``pos % C``, or with ``sinks=S`` (StreamingLLM's
-attention sinks) positions ``0 .. S-1`` to slots ``0 .. S-1`` for good and the rest to
-``S + pos % C`` (:mod:`ringviz.slots`). ``C`` is ``capacity``: the window ``W`` unless
-speculative decoding asks for spare slots (chapter 13: masks still use ``W``, and
-:meth:`~ringviz.storage.RingStorage.truncate` forgets rejected draft tokens).
+Chapter 7's ``BatchRing`` and chapter 8's ``SinkRing`` plus named deltas, in the order this
+module reads:
+
+* **storage**: keys and values ``(B, Hkv, S + C + 1, D)`` and the absolute position each slot
+  holds ``(B, S + C + 1)`` (-1 = empty), allocated once and only written in place; per row
+  ``[ S sink slots | C ring slots | spare ]``. Masks come from the stored positions, never from
+  slot order. The spare slot (outside the views ``k``, ``v``, ``positions``) takes the tokens a
+  chunk must not store, so a chunk's write is one scatter with no host sync.
+* **the slot rule** (:func:`home_slots`): position ``pos`` goes to slot ``pos % C``; with
+  ``sinks=S`` (StreamingLLM's attention sinks) positions ``0 .. S-1`` to slots ``0 .. S-1`` for
+  good and the rest to ``S + pos % C``. ``C`` is ``capacity``: the window ``W`` unless
+  speculative decoding asks for **draft slots** (chapter 13: masks still use ``W``, and
+  :meth:`RingKVCache.truncate` forgets rejected draft tokens).
+* **validation**: every check runs before anything is written (a rejected call changes
+  nothing), in one host read of the positions, which also tells the host what it may know
+  without reading the ring back (:class:`Told`): whether each row holds its last ``W``
+  positions, so a full ring decodes with no mask (chapter 9), and each row's newest position,
+  so a decode write picks its slot on the host.
+* **sinks' two conventions** (``sink_rope``: absolute positions, or StreamingLLM's positions
+  inside the cache, :mod:`ringviz.sinks`), and the **row operations** of beam search
+  (:meth:`RingKVCache.take_rows`) and speculative rollback (:meth:`RingKVCache.truncate`).
 
 One call, :meth:`RingKVCache.step`, takes a chunk of ``T`` new tokens per row (``T = 1`` is
 decode) and returns their attention output:
@@ -21,11 +35,10 @@ decode) and returns their attention output:
   early queries still need (the executorch #20346 failure). The chunk's own sink tokens are
   scored in the sink columns, from a copy of the S sink slots.
 
-Keys arrive rotated at their absolute positions and stay so; ``sink_rope`` picks how the sinks
-are scored (absolute positions, or StreamingLLM's positions inside the cache: :mod:`ringviz.sinks`).
-Attention is :mod:`ringviz.attention`'s, argument checks :mod:`ringviz.checks`'. Padding
-(position -1, left or right) never takes a slot; a query with nothing visible gets zeros, never
-NaN. Every check runs before anything is written: a rejected call changes nothing.
+Keys arrive rotated at their absolute positions and stay so. Attention is
+:mod:`ringviz.attention`'s, the window rule :mod:`ringviz.masks`', argument checks
+:mod:`ringviz.checks`'. Padding (position -1, left or right) never takes a slot; a query with
+nothing visible gets zeros, never NaN.
 
 Things to know (by design, not checked):
 
@@ -49,31 +62,118 @@ tensor([[4, 5, 2, 3]])
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ringviz.attention import ring_attention, unmasked_attention
 from ringviz.checks import (
     check_int,
+    check_kv,
+    check_positions,
+    check_query,
     check_scale,
     check_sink_rope,
+    check_tensor,
+    check_truncate,
+    missing_positions,
 )
-from ringviz.masks import band_mask
+from ringviz.masks import band_mask, visible
 from ringviz.rope import Rope
-from ringviz.runs import Told
 from ringviz.sinks import sinks_with_chunk
-from ringviz.slots import chunk_key_positions, home_slots, step_key_positions
-from ringviz.storage import RingStorage
 
 _NEVER = torch.iinfo(torch.int64).max  # a position no key reaches
 
 
-class RingKVCache(RingStorage):
+def home_slots(positions: torch.Tensor, sinks: int, capacity: int) -> torch.Tensor:
+    """The slot position ``pos`` is stored in: a sink's own slot ``pos`` if ``pos < sinks``,
+    else ``sinks + pos % capacity`` (``pos % capacity`` without sinks).
+
+    >>> home_slots(torch.tensor([0, 1, 5, 9]), sinks=2, capacity=4).tolist()
+    [0, 1, 3, 3]
+    """
+    if not sinks:
+        return positions % capacity
+    return torch.where(positions < sinks, positions, sinks + positions % capacity)
+
+
+def chunk_key_positions(stored: torch.Tensor, positions: torch.Tensor, sinks: int
+                        ) -> torch.Tensor:
+    """Positions ``(B, S + C + T)`` of ``RingKVCache.keys_with_chunk``'s keys.
+
+    ``stored`` ``(B, S + C)`` is what the slots hold, ``positions`` ``(B, T)`` the chunk's. With
+    sinks, the chunk's sink tokens take their sink columns and read -1 in the chunk part. A
+    function of positions alone, so a mask can be built before the ring's storage exists.
+
+    >>> chunk_key_positions(torch.full((1, 4), -1), torch.tensor([[0, 1, 2]]), sinks=1).tolist()
+    [[0, -1, -1, -1, -1, 1, 2]]
+    """
+    positions = positions.to(torch.int64)
+    if not sinks:
+        return torch.cat([stored, positions], dim=1)
+    B = stored.shape[0]
+    slot = torch.where((positions >= 0) & (positions < sinks), positions, sinks)  # sinks: scratch
+    scratch = torch.full((B, 1), -1, dtype=torch.int64, device=stored.device)
+    sink_pos = torch.cat([stored[:, :sinks], scratch], dim=1).scatter_(1, slot, positions)
+    return torch.cat([sink_pos[:, :sinks], stored[:, sinks:],
+                      positions.masked_fill(positions < sinks, -1)], dim=1)
+
+
+def step_key_positions(stored: torch.Tensor | None, q_positions: torch.Tensor, sinks: int,
+                       capacity: int) -> torch.Tensor:
+    """Positions ``(B, K)`` of the keys a ring step attends over, from positions alone.
+
+    ``stored`` ``(B, S + C)`` is what the slots hold (None: an empty ring not yet allocated).
+    Decode (``T == 1``): the slots as they will be once the query is written (its home slot
+    holds it). A chunk: :func:`chunk_key_positions`, or the chunk alone into an empty ring
+    without sinks (one host sync, asked for chunks only). So one mask can be built before the
+    write, once for every layer that shares it.
+
+    >>> step_key_positions(torch.tensor([[4, 1, 2, 3]]), torch.tensor([[5]]), 0, 4).tolist()
+    [[4, 5, 2, 3]]
+    """
+    q_positions = q_positions.to(torch.int64)
+    B, T = q_positions.shape
+    empty = stored is None or (T > 1 and not bool((stored >= 0).any()))
+    if T > 1 and empty and not sinks:
+        return q_positions
+    if stored is None:
+        stored = torch.full((B, sinks + capacity), -1, dtype=torch.int64,
+                            device=q_positions.device)
+    if T > 1:
+        return chunk_key_positions(stored, q_positions, sinks)
+    slots = torch.arange(stored.shape[1], device=stored.device)
+    home = home_slots(q_positions, sinks, capacity)  # (B, 1); a padding query writes nothing
+    return torch.where((slots == home) & (q_positions >= 0), q_positions, stored)
+
+
+class Told(NamedTuple):
+    """What one call tells a ring about its rows, learned without reading the ring back.
+
+    ``grow > 0``: the call's ``grow`` tokens are every row's next positions (``next``);
+    ``rows``: each row's run after the call (how many of its newest positions are consecutive,
+    up to ``capacity``), found on the device by validation; neither: the positions were not
+    looked at (a trusted call), so nothing is known. ``least``: the smallest run (host);
+    ``newest``: each row's newest position after the call, on the host, when known.
+    """
+
+    grow: int = 0
+    rows: torch.Tensor | None = None  # (B,)
+    least: int = 0  # smallest run after the call (host)
+    newest: list[int] | None = None  # (B,) host ints
+
+    @property
+    def next(self) -> bool:
+        return self.grow > 0
+
+
+class RingKVCache:
     """A batch of rings, one per row, holding each row's last ``window`` keys and values.
 
     ``sinks=S`` keeps each row's positions ``0 .. S-1`` too, in ``S`` slots before the ring;
     ``sink_rope`` picks their RoPE convention (module docstring): None = absolute positions,
-    a rotation ``f(x, positions)`` = StreamingLLM's positions inside the cache. The storage and
-    its row operations (``take_rows``, ``truncate``) are :class:`ringviz.storage.RingStorage`'s.
+    a rotation ``f(x, positions)`` = StreamingLLM's positions inside the cache. ``capacity``
+    (default ``window``) adds draft slots that rejected drafts may overwrite.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, window: int, head_dim: int, *,
@@ -88,11 +188,68 @@ class RingKVCache(RingStorage):
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         self.sink_rope = check_sink_rope(sink_rope, sinks, head_dim, dtype,
                                          torch.empty(0, device=device).device)
-        # ring slots per row: the window, plus any spare slots that rejected drafts may overwrite
         capacity = window if capacity is None else check_int("capacity", capacity, window)
-        super().__init__(batch_size, num_kv_heads, window, head_dim, sinks, capacity, dtype,
-                         device)
+        self.batch_size, self.num_kv_heads = batch_size, num_kv_heads
+        self.window, self.head_dim, self.sinks, self.capacity = window, head_dim, sinks, capacity
+        n = sinks + capacity  # [sinks | ring]; slot n, outside the views, the spare
+        self._spare = n
+        store = (batch_size, num_kv_heads, n + 1, head_dim)
+        self._k_store = torch.zeros(store, dtype=dtype, device=device)
+        self._v_store = torch.zeros(store, dtype=dtype, device=device)
+        self._pos_store = torch.full((batch_size, n + 1), -1, dtype=torch.int64,
+                                     device=self._k_store.device)
+        # newest position per row: kept beside the ring so a decode step never scans all W slots
+        self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.device)
+        self._views()
+        # what the host knows (Told): each row's run at the last look, tokens every row has
+        # grown by since, the smallest run and the rows' newest positions (host values)
+        self._runs = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
+        self._runs_known, self._runs_since = False, 0
+        self._least, self._newest = 0, [-1] * batch_size
 
+    # ------------------------------------------------------------------ storage
+    def _views(self) -> None:
+        """The views without the spare slot, and the flat views a decode write copies into
+        (one index_copy_ per tensor: cheaper than an advanced-index assignment)."""
+        B, H, n1, D = self._k_store.shape
+        self.k = self._k_store[:, :, :self._spare]  # (B, n_kv_heads, S + C, head_dim)
+        self.v = self._v_store[:, :, :self._spare]
+        self.positions = self._pos_store[:, :self._spare]  # (B, S + C), -1 = empty
+        self._k_rows = self._k_store.view(-1, D)  # (B * n_kv_heads * (S + C + 1), D)
+        self._v_rows = self._v_store.view(-1, D)
+        self._head_base = torch.arange(B * H, device=self.device).view(B, H) * n1
+        self._pos_base = torch.arange(B, device=self.device) * n1
+        self._pos_rows = self._pos_store.view(-1)  # (B * (S + C + 1),)
+        self._last_col = self._last_pos[:, None]  # (B, 1): a decode write's positions copy in
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._k_store.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._k_store.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of k, v and positions storage (spare slot included): fixed at construction."""
+        stores = (self._k_store, self._v_store, self._pos_store)
+        return sum(t.numel() * t.element_size() for t in stores)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``(B,)`` each row's newest position + 1: where its next token goes (0 when empty)."""
+        return self._last_pos + 1
+
+    def reset(self) -> None:
+        """Empty every row (storage stays where it is)."""
+        self._k_store.zero_()
+        self._v_store.zero_()
+        self._pos_store.fill_(-1)
+        self._last_pos.fill_(-1)
+        self._commit(Told(newest=[-1] * self.batch_size))
+
+    # ------------------------------------------------------------------ the window
     @property
     def kv_seqlens(self) -> torch.Tensor:
         """``(B,)`` number of cached entries visible to each row's newest position."""
@@ -110,25 +267,106 @@ class RingKVCache(RingStorage):
     def _decode_mask(self, positions: torch.Tensor) -> torch.Tensor:
         """``(B, 1, S + C)`` visibility for a decode query ``positions`` (B, 1) just written.
 
-        Its write made it its row's newest position, so no stored key lies in its future and
-        one comparison with the window's lower edge decides (empty slots hold -1, never above
-        it; a padding query's edge is past every position). Same result as :meth:`_mask`,
-        in two elementwise ops over the slots instead of seven.
+        The window rule (:func:`ringviz.masks.visible`) between the query and every slot.
         """
-        if self.sinks:
-            return self._mask(positions, self.positions)
-        edge = torch.where(positions >= 0, (positions - self.window).clamp_min(-1), _NEVER)
-        return (self.positions > edge)[:, None]  # (B, 1, C): key > q - W and key >= 0
+        return visible(positions, self.positions, self.window, self.sinks)[:, None]
 
     def _mask(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """``(B, Tq, Tk)`` visibility: the window, plus the sinks when there are any."""
         return band_mask(q_positions, k_positions, self.window, self.sinks)
 
+
+    # ------------------------------------------------------------------ what the rows accept
     def check_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    positions: torch.Tensor, *, scale: float | None = None) -> None:
         """Raise exactly what :meth:`step` would reject, writing nothing."""
         check_scale(scale)
         self._told(k, v, positions, check=True, contiguous=False, q=q)
+
+    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> Told:
+        """Raise on any malformed input, before anything is written; else what it tells
+        (:meth:`_validated`: one host sync)."""
+        check_kv(k, v, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
+                 head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+        check_tensor("positions", positions, self.device)
+        return self._validated(positions, k.shape[2])
+
+    def _check_q(self, q: torch.Tensor, T: int, q_positions: object = None) -> None:
+        check_query(q, T, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim, dtype=self.dtype, device=self.device,
+                    q_positions=q_positions)
+
+    def check_positions(self, positions: torch.Tensor) -> None:
+        """Raise if ``positions`` (B, T) could not be written next, writing nothing."""
+        check_tensor("positions", positions, self.device)
+        check_positions(positions, self._last_pos, positions.shape[-1] if positions.ndim else -1)
+
+    def _told(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, check: bool,
+              contiguous: bool, q: torch.Tensor | None = None) -> Told:
+        """Validate a call (``check``), or take the caller's word: what it tells the runs."""
+        if not check:  # (under torch.compile, a host int read in the graph would recompile it)
+            vouched = contiguous and not torch.compiler.is_compiling()
+            return self._grown(k.shape[2]) if vouched else Told()
+        told = self._check_kv(k, v, positions)
+        if q is not None:
+            self._check_q(q, k.shape[2])
+        if contiguous and not told.next:
+            raise ValueError("contiguous=True, but some row's positions are not its newest + 1, "
+                             "+ 2, ... (padding or a gap)")
+        return told
+
+    def _grown(self, T: int) -> Told:
+        """A trusted call of ``T`` tokens, vouched to be every row's next positions.
+
+        The newest positions are then not known: a trusted call's values are not read, and a
+        slot picked on the host would be baked into a CUDA graph that captured the call.
+        """
+        return Told(grow=T, least=min(self.capacity, self._least + T))
+
+    def _validated(self, positions: torch.Tensor, T: int) -> Told:
+        """:func:`ringviz.checks.check_positions` of ``positions`` (B, T), and what they tell,
+        in one host sync when valid."""
+        last_pos = self._last_pos
+        if T == 1 and positions.dtype in (torch.int64, torch.int32) \
+                and positions.shape == last_pos.shape + (1,):  # the decode loop's case
+            if self._newest is None:  # one read, of both
+                new, last = torch.stack([positions[:, 0].to(torch.int64), last_pos]).tolist()
+            else:
+                new, last = [p for (p,) in positions.tolist()], self._newest
+            if all(p == q + 1 for p, q in zip(new, last, strict=True)):
+                return Told(grow=1, least=min(self.capacity, self._least + 1), newest=new)
+        pos = positions.to(torch.int64)
+        runs: list[torch.Tensor] = []
+
+        def runs_after(before: torch.Tensor) -> torch.Tensor:
+            runs.append(self._runs_after(pos, before))
+            newest = torch.maximum(before[:, -1], pos[:, -1])  # padding (-1) never above
+            return torch.cat([runs[0].min()[None], newest])
+
+        least, *newest = check_positions(positions, last_pos, T, also=runs_after)
+        return Told(rows=runs[0], least=least, newest=newest)
+
+    def _runs_after(self, positions: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` runs once validated ``positions`` (B, T) are written; ``before`` (B, T) is
+        each token's previous position in its row (-1 for none)."""
+        real = positions >= 0
+        gap = real & (positions != before + 1)  # a real token not right after its row's last
+        seg = gap.cumsum(dim=1)  # (B, T): gaps so far
+        tail = (real & (seg == seg[:, -1:])).sum(dim=1)  # real tokens from the last gap on
+        now = (self._runs if self._runs_known else torch.zeros_like(self._runs))
+        now = now + self._runs_since
+        return torch.where(seg[:, -1] == 0, now + tail, tail).clamp_max(self.capacity)
+
+    def _commit(self, told: Told) -> None:
+        """Take what a call that has now been written told."""
+        if told.next:
+            self._runs_since += told.grow
+        elif told.rows is not None:
+            self._runs.copy_(told.rows)
+            self._runs_since, self._runs_known = 0, True
+        else:
+            self._runs_since, self._runs_known = 0, False
+        self._least, self._newest = told.least, told.newest
 
     # ------------------------------------------------------------------ the ring
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
@@ -150,7 +388,7 @@ class RingKVCache(RingStorage):
         """Validate a call (``check``), or take the caller's word: what it tells the runs."""
         if not check:  # (under torch.compile, a host int read in the graph would recompile it)
             vouched = contiguous and not torch.compiler.is_compiling()
-            return self._runs.grown(k.shape[2]) if vouched else Told()
+            return self._grown(k.shape[2]) if vouched else Told()
         told = self._check_kv(k, v, positions)
         if q is not None:
             self._check_q(q, k.shape[2])
@@ -168,7 +406,7 @@ class RingKVCache(RingStorage):
             self._write_one(k, v, positions, slots.pop() if len(slots) == 1
                             else positions[:, 0] % self.capacity)
             self._last_col.copy_(positions)
-            self._runs.commit(told)
+            self._commit(told)
             return
         if T == 1:  # decode: a real token is always the row's newest, so it is always kept
             newest = torch.maximum(self._last_pos, positions[:, 0])  # (B,)
@@ -189,7 +427,22 @@ class RingKVCache(RingStorage):
             self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), v)
             self._pos_store.scatter_(1, slot, positions)
         self._last_pos.copy_(newest)
-        self._runs.commit(told)
+        self._commit(told)
+
+    def _write_one(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   slot: torch.Tensor | int) -> None:
+        """Store one token per row (``positions`` (B, 1)), row b's in slot ``slot[b]`` (B,),
+        or in one slot known on the host for every row: then three strided copies and no
+        index arithmetic (a decode step's eager ops cost microseconds each)."""
+        if isinstance(slot, int):
+            self._k_store.narrow(2, slot, 1).copy_(k)
+            self._v_store.narrow(2, slot, 1).copy_(v)
+            self._pos_store.narrow(1, slot, 1).copy_(positions)
+            return
+        rows = (self._head_base + slot[:, None]).view(-1)  # (B * n_kv_heads,) storage rows
+        self._k_rows.index_copy_(0, rows, k.reshape(-1, self.head_dim))
+        self._v_rows.index_copy_(0, rows, v.reshape(-1, self.head_dim))
+        self._pos_rows.index_copy_(0, self._pos_base + slot, positions.view(-1))
 
     @property
     def window_full(self) -> bool:
@@ -201,7 +454,7 @@ class RingKVCache(RingStorage):
         (``capacity > window``: they hold keys that have left the window).
         """
         return (not self.sinks and self.capacity == self.window
-                and self._runs.least >= self.capacity)
+                and self._least >= self.capacity)
 
     def attend(self, q: torch.Tensor, q_positions: torch.Tensor, *,
                scale: float | None = None) -> torch.Tensor:
@@ -297,6 +550,58 @@ class RingKVCache(RingStorage):
         """``(B, K)`` positions of the keys :meth:`step` attends over for these queries: the
         slots once a decode token is written, ``[sinks | ring | chunk]`` before a chunk is."""
         return step_key_positions(self.positions, q_positions, self.sinks, self.capacity)
+
+    # ------------------------------------------------------------------ rows
+    def take_rows(self, index: torch.Tensor, *, check: bool = True) -> None:
+        """Make row ``i`` what row ``index[i]`` is now (beam search's reorder, repeat, select).
+
+        ``index`` is 1-D, integer, on this device, any length (rows may repeat). The same
+        length reorders in place (storage addresses unchanged, as a CUDA graph needs); another
+        length allocates storage for the new batch. ``check=False`` skips the range check and
+        its host sync (a beam step's indices are in range by construction).
+        """
+        check_tensor("index", index, self.device)
+        if index.ndim != 1 or index.is_floating_point() or index.dtype == torch.bool:
+            raise ValueError(f"index must be a 1-D integer tensor, got {index.dtype} "
+                             f"{tuple(index.shape)}")
+        if check and index.numel() and not bool(
+                ((index >= 0) & (index < self.batch_size)).all()):
+            raise ValueError(f"index must hold rows in [0, {self.batch_size}), got "
+                             f"{index.tolist()}")
+        stores = (self._k_store, self._v_store, self._pos_store, self._last_pos)
+        # each row's run goes with it; the smallest stays a lower bound; the newest are forgotten
+        self._runs, self._newest = self._runs.index_select(0, index), None
+        if index.numel() == self.batch_size:
+            for t in stores:
+                t.copy_(t.index_select(0, index))
+            return
+        self._k_store, self._v_store, self._pos_store, self._last_pos = (
+            t.index_select(0, index) for t in stores)
+        self.batch_size = index.numel()
+        self._views()
+
+    def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:
+        """Forget every stored position ``>= lengths[b]`` of row b (rejected draft tokens).
+
+        Row b may then write from position ``lengths[b]`` again. Nothing is restored: a key that
+        a forgotten token overwrote is gone. So ``check`` (the default) raises ValueError, and
+        changes nothing, unless row b still holds every position its next query needs,
+        ``lengths[b] - window + 1 .. lengths[b] - 1`` (positions are a token sequence's, one
+        per index). A ring can take back ``capacity - window + 1`` tokens: one without spare
+        slots (chapter 13). ``check=False`` skips the check and its host sync.
+        """
+        if check:
+            check_truncate(lengths, self.positions, self._last_pos, window=self.window,
+                           capacity=self.capacity)
+        lengths = lengths.to(torch.int64)
+        self._pos_store.masked_fill_(self._pos_store >= lengths[:, None], -1)
+        torch.minimum(self._last_pos, lengths - 1, out=self._last_pos)
+        self._commit(Told())  # how many of each row's positions are left is not known
+
+    def missing_positions(self, lengths: torch.Tensor) -> list[list[int]]:
+        """Per row b: positions a query at ``lengths[b]`` needs, ``lengths[b] - W + 1 ..
+        lengths[b] - 1``, that the cache does not hold (a host sync; for checks and reports)."""
+        return missing_positions(self.positions, lengths, self.window)
 
     def __repr__(self) -> str:
         rope = getattr(self.sink_rope, "__name__", self.sink_rope)

@@ -16,8 +16,8 @@ from host_reads import HostReads
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ringviz import RingKVCache
+from ringviz.cache import Told
 from ringviz.rope import apply_rope
-from ringviz.runs import Told
 
 
 class MaskedRing(RingKVCache):

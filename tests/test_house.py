@@ -2,7 +2,7 @@
 
 The core (``ringviz/*.py`` but the CLI) never imports transformers, matplotlib, widgets or
 hypothesis, nor a package above it; ``ringviz.hf`` imports nothing from ``models``; no module-level
-import circle; no core module much over 300 lines (one sitting's reading).
+import circle. Modules are split by concept, never by a line count.
 """
 
 import ast
@@ -14,7 +14,6 @@ ROOT = Path(__file__).resolve().parents[1] / "ringviz"
 ABOVE_CORE = ("ringviz.hf", "ringviz.models", "ringviz.viz", "ringviz.bench",
               "ringviz.conformance", "ringviz.cli")
 HEAVY = ("transformers", "matplotlib", "ipywidgets", "anywidget", "hypothesis", "IPython")
-CORE_MAX_LINES = 310
 
 
 def module_name(path: Path) -> str:
@@ -83,14 +82,8 @@ def test_no_module_level_import_circle():
             visit(m, [])
 
 
-@pytest.mark.parametrize("module", sorted(CORE))
-def test_core_modules_read_in_one_sitting(module):
-    lines = len(CORE[module].read_text().splitlines())
-    assert lines <= CORE_MAX_LINES, f"{module}: {lines} lines"
-
-
 def test_the_rules_see_the_modules():
     """The checks above would pass vacuously if the walk found nothing."""
-    assert {"ringviz.cache", "ringviz.storage", "ringviz.runs"} <= set(CORE)
+    assert {"ringviz.cache", "ringviz.masks", "ringviz.attention"} <= set(CORE)
     assert "ringviz.hf.plan" in MODULES and "ringviz.models.drive" in MODULES
-    assert "ringviz.storage" in imports(CORE["ringviz.cache"], top_level_only=True)
+    assert "ringviz.masks" in imports(CORE["ringviz.cache"], top_level_only=True)

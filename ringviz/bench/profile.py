@@ -27,9 +27,8 @@ import torch
 
 from ringviz.bench.cases import Prefill, Shape, Token, _full_ring, decode_step
 from ringviz.bench.harness import Case, measure_interleaved
-from ringviz.cache import RingKVCache
+from ringviz.cache import RingKVCache, Told
 from ringviz.checks import check_positions
-from ringviz.runs import Told
 
 STAGES = {"masked": ("loop", "validation", "write", "mask", "attention"),
           "unmasked": ("loop", "validation", "write", "attention")}

@@ -13,10 +13,9 @@ import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin
 
 from ringviz.attention import masked_attention, unmasked_attention
-from ringviz.cache import RingKVCache
+from ringviz.cache import RingKVCache, step_key_positions
 from ringviz.masks import band_mask
 from ringviz.rope import Rope
-from ringviz.slots import step_key_positions
 
 
 def no_mask_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
