@@ -26,7 +26,7 @@ from tiny_models import (  # noqa: E402
 from ringviz import attention as core_attention  # noqa: E402
 from ringviz import hf  # noqa: E402
 from ringviz.hf import attention  # noqa: E402
-from ringviz.hf import layers as hf_layers  # noqa: E402
+from ringviz.hf import cache as hf_cache  # noqa: E402
 from ringviz.models.reference import reference_logits  # noqa: E402
 
 F32 = 1e-4  # float32 noise on these tiny models
@@ -116,7 +116,7 @@ def test_streamer_sees_every_token():
 def test_chunked_prefill_bounds_attention_size(monkeypatch):
     """A 60-token prompt in chunks of 7 through rings of 5: no attention over more than 12 keys."""
     seen, unmasked = [], []
-    real, real_unmasked = core_attention.masked_attention, hf_layers.unmasked_attention
+    real, real_unmasked = core_attention.masked_attention, hf_cache.unmasked_attention
 
     def spy(q, k, v, mask, **kwargs):
         seen.append((q.shape[2], k.shape[2]))
@@ -127,7 +127,7 @@ def test_chunked_prefill_bounds_attention_size(monkeypatch):
         return real_unmasked(q, k, v, **kwargs)
 
     monkeypatch.setattr(core_attention, "masked_attention", spy)  # every ring layer's attention
-    monkeypatch.setattr(hf_layers, "unmasked_attention", spy_unmasked)
+    monkeypatch.setattr(hf_cache, "unmasked_attention", spy_unmasked)
     model = tiny_llama()
     hf.generate(model, prompt(60), window=5, max_new_tokens=3, do_sample=False,
                 prefill_chunk_size=7)

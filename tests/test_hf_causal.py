@@ -18,8 +18,7 @@ from test_hf import prompt, run, tiny_gemma, tiny_llama, tiny_mistral  # noqa: E
 
 from ringviz import hf  # noqa: E402
 from ringviz.attention import masked_attention  # noqa: E402
-from ringviz.hf.cache import RingCache  # noqa: E402
-from ringviz.hf.layers import causal_attention  # noqa: E402
+from ringviz.hf.cache import RingCache, causal_attention  # noqa: E402
 
 
 @pytest.fixture

@@ -212,7 +212,7 @@ def test_interrupted_forward_refuses_until_reset_then_equals_clean_run(device, m
     assert torch.equal(ring_logits(runner, [ids], [8])[0], clean)
 
 
-def test_refused_input_does_not_mark_the_runner_mid_step(device):
+def test_refused_input_does_not_refuse_the_runner(device):
     model = tiny_llama(device)
     ids = tokens(10, device)
     runner = RingRunner(model, 1, 4, capacity=10)

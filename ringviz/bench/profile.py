@@ -10,7 +10,7 @@ stages and time each, for the two paths:
 * ``unmasked`` (:attr:`ringviz.RingKVCache.window_full`): validation that reads the positions
   once with ``tolist`` (the one host sync; the rows' newest with them if the host does not
   already hold those) and finds each its row's newest + 1
-  (:meth:`ringviz.runs.Runs.validated`), the write of every row's next slot, SDPA with no mask.
+  (``RingKVCache._validated``), the write of every row's next slot, SDPA with no mask.
 
 A stage's time is the difference between two cumulative runs (the stages before it, then one
 more), all timed in the same interleaved blocks as the other benches, with ``attention_only``

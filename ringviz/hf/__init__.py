@@ -21,11 +21,11 @@ Plain ``model.generate(cache=RingCache(model))`` keeps the stock masks, so the f
 raises an error that names :func:`generate`; it is never silently wrong.
 
 Modules: ``config`` (``read_layout``: the one reader of a model's config), ``rotary`` (the
-model's own RoPE), ``plan`` (``ForwardPlan``: what one forward needs, computed once),
-``layers`` (``RingLayer``, ``FullLayer``), ``cache`` (``RingCache``), ``attention`` (the mask
-and attention hooks, ``ring_active``), ``generation`` (:func:`generate`), ``calls`` (what a
-call may ask of a cache it is handed: settings, a conversation's continuation, mask holes),
-``refuse`` (model features refused before the first forward).
+model's own RoPE, and the check that the cache convention can turn it), ``cache``
+(``RingCache``, its layers ``RingLayer`` and ``FullLayer``, and ``ForwardPlan``: what one
+forward needs, computed once), ``attention`` (the mask and attention hooks, ``ring_active``,
+the eval-mode and no-grad checks), ``generation`` (:func:`generate` and what a call may ask of
+a cache it is handed: settings, a conversation's continuation, mask holes, drafts).
 
 Real use: a conversation passes the returned cache back with the whole conversation as
 ``input_ids`` (only the new tokens are prefilled); ``copy.deepcopy`` of a RingCache is an
@@ -44,11 +44,9 @@ takes a slot.
 """
 
 from ringviz.hf.attention import ATTN_NAME, register, ring_active, serving_cache
-from ringviz.hf.cache import RingCache, check_model
+from ringviz.hf.cache import ForwardPlan, FullLayer, RingCache, RingLayer, check_model
 from ringviz.hf.config import layer_windows, read_layout
 from ringviz.hf.generation import PREFILL_CHUNK, generate
-from ringviz.hf.layers import FullLayer, RingLayer
-from ringviz.hf.plan import ForwardPlan
 
 __all__ = ["ATTN_NAME", "PREFILL_CHUNK", "ForwardPlan", "FullLayer", "RingCache", "RingLayer",
            "check_model", "generate", "layer_windows", "read_layout", "register", "ring_active",

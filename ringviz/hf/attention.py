@@ -23,9 +23,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 
-from ringviz.hf.cache import RingCache
-from ringviz.hf.plan import NOT_THROUGH_GENERATE
-from ringviz.hf.refuse import check_eval_mode, check_no_grad
+from ringviz.hf.cache import NOT_THROUGH_GENERATE, RingCache
 
 ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transformers' registries
 
@@ -51,6 +49,29 @@ def serving_cache(config=None) -> RingCache:
         raise RuntimeError(NOT_THROUGH_GENERATE + " (Or another thread is running a ringviz.hf "
                            "call on this model: one ring call per model at a time.)")
     return cache
+
+
+def attention_dropout(model) -> float:
+    """The largest attention dropout any module of ``model`` would apply in train()."""
+    rates = [getattr(model.config, "attention_dropout", 0.0)]
+    rates += [getattr(m, "attention_dropout", 0.0) for m in model.modules()]
+    return max(float(r) for r in rates if isinstance(r, (int, float)))
+
+
+def check_eval_mode(model) -> None:
+    """Raise if ``model`` is in train() with attention dropout (the ring attention has none)."""
+    if model.training and attention_dropout(model) > 0:
+        raise ValueError(f"{type(model).__name__} is in train() with attention dropout "
+                         f"{attention_dropout(model)}: the ring attention has no dropout; call "
+                         f"model.eval()")
+
+
+def check_no_grad() -> None:
+    """Raise if gradients are enabled: a ring writes its storage in place (fixed memory),
+    which autograd cannot differentiate through. Asked at the start of every ring forward."""
+    if torch.is_grad_enabled():
+        raise ValueError("a RingCache writes its storage in place, so gradients cannot flow "
+                         "through it: run the forward under torch.no_grad() (generate does)")
 
 
 def _is_plain_causal(mask_function: Callable, local_size: int | None,

@@ -1,4 +1,11 @@
-"""``generate``: Hugging Face's ``generate()`` decoded through a :class:`RingCache`."""
+"""``generate``: Hugging Face's ``generate()`` decoded through a :class:`RingCache`.
+
+A cache is built once with its settings (window, sinks, sink convention) and then serves every
+call: a conversation passes the returned cache back with the whole conversation so far as
+``input_ids`` (Hugging Face's multi-turn convention), and only the tokens the cache has not
+seen are prefilled. What a call may ask of a cache it is handed is checked here, before the
+first forward, so a refused call changes nothing.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +16,9 @@ import transformers
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
-from ringviz.checks import sink_convention_from
+from ringviz.checks import check_sinks, sink_convention_from
 from ringviz.hf.attention import ring_active
 from ringviz.hf.cache import RingCache
-from ringviz.hf.calls import (
-    UNSET,
-    check_continuation,
-    check_mask_holes,
-    check_settings,
-    draft_tokens,
-    effective_attention_mask,
-)
 
 # default prefill chunk: a prompt is prefilled in chunks of this many tokens. Each chunk is one
 # more pass over the weights (about a decode step: 0.1 s for Gemma-3-270M on one CPU thread), so
@@ -29,6 +28,124 @@ PREFILL_CHUNK = 2048
 # and prompt lookup crop rejected drafts, inside rings with spare slots
 SERVED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE, GenerationMode.BEAM_SEARCH,
                 GenerationMode.BEAM_SAMPLE, GenerationMode.ASSISTED_GENERATION)
+
+
+UNSET = object()  # a setting the call does not give: the cache's own serves
+
+
+def check_settings(model, cache, window, sinks, sink_convention) -> None:
+    """Raise unless ``cache`` is a RingCache for ``model`` and the given settings are its own.
+
+    Settings the call leaves :data:`UNSET` are the cache's; one given that differs raises.
+    """
+    if not isinstance(cache, RingCache) or cache.config is not model.config:
+        raise ValueError("cache= must be a RingCache built for this model")
+    if sinks is not UNSET or sink_convention is not UNSET:  # the checks of construction
+        check_sinks(cache.sinks if sinks is UNSET else sinks,
+                    cache.sink_convention if sink_convention is UNSET else sink_convention)
+    for name, given in (("window", window), ("sinks", sinks),
+                        ("sink_convention", sink_convention)):
+        own = getattr(cache, name)
+        if given is UNSET or (name == "window" and given is None):
+            continue
+        if given != own:
+            raise ValueError(f"{name}={given!r} differs from the cache's {name}={own!r}: a "
+                             f"RingCache's settings are fixed when it is built (leave {name} "
+                             f"out of the call)")
+
+
+def effective_attention_mask(input_ids: torch.Tensor | None, attention_mask, config
+                             ) -> torch.Tensor | None:
+    """The 2D mask ``model.generate`` will use: the given one, or the one it infers.
+
+    Hugging Face infers ``input_ids != pad_token_id`` when the pad token occurs in the input
+    and is not an end-of-sequence token, and all ones otherwise (``None`` here).
+    """
+    if attention_mask is not None or input_ids is None:
+        return attention_mask
+    pad, eos = config.pad_token_id, config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if pad is None or pad in eos or not bool((input_ids == pad).any()):
+        return None
+    return input_ids.ne(pad).long()
+
+
+def check_mask_holes(cache: RingCache, mask: torch.Tensor | None) -> None:
+    """Raise if a row of ``mask`` has a padding column after a real token (a hole).
+
+    Hugging Face's sliding window counts columns, holes included; a ring counts the real tokens
+    it holds. The two agree for left padding only, so a hole is refused rather than served
+    differently. Full-attention layers would agree, but every RingCache has a ring.
+    """
+    if mask is None or mask.ndim != 2:
+        return
+    real = mask.to(torch.bool)
+    hole = real.long().cummax(-1).values.bool() & ~real
+    if bool(hole.any()):
+        rows = sorted({int(b) for b in hole.nonzero()[:, 0]})
+        raise ValueError(f"attention_mask has padding after real tokens in rows {rows}: a ring "
+                         f"window counts real tokens, Hugging Face's counts columns, so they "
+                         f"would differ; pad on the left only (window {cache.window})")
+
+
+def check_continuation(cache: RingCache, length: int, batch: int,
+                       mask: torch.Tensor | None) -> None:
+    """Raise unless a call of ``length`` columns (``batch`` rows) continues what ``cache`` holds.
+
+    ``cache`` holds the first ``seen`` columns of the conversation; the call must give them
+    again (``input_ids`` or ``inputs_embeds``, Hugging Face's convention) plus at least one new
+    column, in as many rows, with a mask whose first ``seen`` columns count each row's cached
+    tokens (the same padding as before).
+    """
+    seen = cache.seen_columns()
+    if seen == 0:
+        return
+    held = cache.row_tokens()
+    if batch != held.shape[0]:
+        raise ValueError(f"the cache holds {held.shape[0]} rows, this call gives {batch}")
+    if length <= seen:
+        raise ValueError(f"the cache holds {seen} columns of the conversation; input_ids must "
+                         f"be the whole conversation so far, longer than that (got {length})")
+    counted = (torch.full_like(held, seen) if mask is None
+               else mask[:, :seen].to(torch.bool).sum(-1).to(held.device))
+    if not torch.equal(counted, held):
+        raise ValueError(f"attention_mask's first {seen} columns count {counted.tolist()} real "
+                         f"tokens per row, but the cache holds {held.tolist()}: pass the "
+                         f"attention_mask of the whole conversation (its earlier padding too)")
+
+
+def draft_tokens(model, kwargs: dict, config, prompt_length: int) -> int:
+    """The longest draft an assisted call can ask the cache to take back (0 if not assisted).
+
+    Prompt lookup drafts ``prompt_lookup_num_tokens``; an assistant model (same tokenizer) its
+    ``num_assistant_tokens`` with the constant schedule, and up to every new token with the
+    heuristic ones (which grow the draft after each full acceptance). Other candidate
+    generators (early exit, MTP, DFlash, other tokenizers) are refused.
+    """
+    assistant = kwargs.get("assistant_model")
+    others = {"assistant_early_exit": config.assistant_early_exit,
+              "use_mtp": getattr(config, "use_mtp", None),
+              "speculation_type": getattr(config, "speculation_type", None),
+              "assistant_tokenizer": kwargs.get("assistant_tokenizer")}
+    given = sorted(name for name, value in others.items() if value)
+    if given:
+        raise ValueError(f"assisted decoding with {given} is not served by RingCache: only an "
+                         f"assistant model with the same tokenizer, or prompt lookup")
+    if config.prompt_lookup_num_tokens is not None:
+        return int(config.prompt_lookup_num_tokens)
+    if assistant is None:
+        return 0
+    if assistant is model or getattr(assistant, "config", None) is model.config:
+        raise ValueError("assistant_model is the model itself: its draft forwards would run "
+                         "through this RingCache; pass a separate model (a copy.deepcopy of it "
+                         "drafts the same tokens)")
+    assistant_config = assistant.generation_config
+    schedule = assistant_config.num_assistant_tokens_schedule or "constant"
+    if schedule == "constant":
+        return int(assistant_config.num_assistant_tokens or 20)  # transformers' default
+    if config.max_new_tokens is not None:
+        return int(config.max_new_tokens)
+    return max(1, int(config.max_length) - prompt_length)
 
 
 def _generation_config(model, kwargs: dict) -> GenerationConfig:

@@ -7,11 +7,14 @@
   ``a`` then ``b`` differs from one by ``a + b`` by about ``(a + b) * 2**-24`` radians. The two
   sink conventions rotate by different amounts, so an exactness check in float64 needs float64
   angles on both sides; this context manager gives the model's rotary embedding exactly that.
+* :func:`check_rope` refuses, when a cache is built, a model whose RoPE the cache convention
+  cannot turn (probed against the model's own ``apply_rotary_pos_emb``).
 """
 
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -80,3 +83,38 @@ def float64_rope_angles(model) -> Iterator[None]:
         yield
     finally:
         del rotary.forward
+
+
+def check_rope(model, rope: Rope, layer_type: str) -> None:
+    """Raise unless ``rope`` turns a key exactly as the model's own attention rotates it.
+
+    StreamingLLM's sink convention turns stored keys again with ``rope``: a rotation of the whole
+    head by the model's cos/sin (``x cos + rotate_half(x) sin``). A model whose RoPE is not that
+    (Cohere's interleaved pairs, Phi-3's partial rotary) is refused here, probed once on a random
+    key with the function its attention module calls (``apply_rotary_pos_emb``).
+    """
+    attention = next((m for m in model.modules() if hasattr(m, "layer_idx")
+                      and hasattr(m, "head_dim")), None)
+    apply = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None) \
+        if attention is not None else None
+    if apply is None:
+        raise ValueError(f"{type(model).__name__}: no apply_rotary_pos_emb found next to its "
+                         f"attention, so sink_convention='cache' cannot check the model's RoPE")
+    rotary = model.model.rotary_emb
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(1, 1, 3, attention.head_dim, generator=torch.Generator().manual_seed(0),
+                    dtype=dtype).to(next(model.parameters()).device)
+    positions = torch.tensor([[0, 5, 37]], device=x.device)
+    args = (layer_type,) if "layer_type" in inspect.signature(rotary.forward).parameters else ()
+    cos, sin = rotary(x, positions, *args)
+    try:
+        params = list(inspect.signature(apply).parameters)
+        theirs = apply(x, cos, sin) if params[1] == "cos" else apply(x, x, cos, sin)[1]
+        ours = rope(x, positions)
+        same = ours.shape == theirs.shape and torch.allclose(ours, theirs, atol=1e-5)
+    except (RuntimeError, ValueError, TypeError):
+        same = False
+    if not same:
+        raise ValueError(f"{model.config.model_type}'s RoPE is not a rotation of the whole head "
+                         f"by its cos/sin (interleaved pairs or partial rotary): "
+                         f"sink_convention='cache' cannot turn its stored keys; use 'absolute'")

@@ -33,9 +33,8 @@ import torch
 from ringviz.cache import RingKVCache
 from ringviz.checks import check_int, sink_convention_from
 from ringviz.hf.attention import ring_active
-from ringviz.hf.cache import RingCache
+from ringviz.hf.cache import FullLayer, RingCache, RingLayer
 from ringviz.hf.generation import PREFILL_CHUNK
-from ringviz.hf.layers import FullLayer, RingLayer
 
 
 class _DrivenCache(RingCache):
