@@ -170,10 +170,12 @@ def check_truncate(lengths: object, stored: torch.Tensor, newest: torch.Tensor, 
     if lengths.dtype not in (torch.int64, torch.int32) or lengths.shape != (B,):
         raise ValueError(f"lengths must be int64 or int32 of shape (B,) = ({B},),"
                          f" got {lengths.dtype} {tuple(lengths.shape)}")
+    from ringviz.masks import visible  # here, not at the top: masks imports check_int from here
+
     lengths = lengths.to(torch.int64)
     seen = newest + 1  # (B,)
-    # kept keys a query at `lengths` sees: stored, before it, inside its window
-    needed = (stored >= 0) & (stored < lengths[:, None]) & (stored > lengths[:, None] - window)
+    # kept keys a query at `lengths` sees (the window rule), other than its own position
+    needed = visible(lengths[:, None], stored, window) & (stored < lengths[:, None])
     want = torch.minimum(lengths, torch.full_like(lengths, window - 1))
     bad = (lengths < 0) | (lengths > seen) | (needed.sum(-1) < want)  # (B,)
     if not bool(bad.any()):

@@ -5,11 +5,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ringviz import band_mask, decode_mask
+from ringviz.masks import visible
 
 
 def by_definition(q: int, k: int, window: int) -> bool:
     """A query at p sees p-W+1 .. p; -1 (empty/padding) is never visible and sees nothing."""
     return q >= 0 and k >= 0 and q - window < k <= q
+
+
+def by_definition_with(q: int, k: int, window: int | None, sinks: int) -> bool:
+    """Sinks ``0 .. S-1`` stay visible to every later query; ``window=None``: causal only."""
+    causal = q >= 0 and 0 <= k <= q
+    return causal and (window is None or k > q - window or k < sinks)
 
 
 positions = st.lists(st.integers(-1, 30), min_size=1, max_size=12)
@@ -53,3 +60,22 @@ def test_nonpositive_window_rejected(window):
 def test_non_integer_window_rejected():
     with pytest.raises(TypeError, match="window must be an int"):
         decode_mask(3, np.arange(3), 2.0)
+
+
+@given(q=positions, k=positions, window=st.one_of(st.none(), st.integers(1, 10)),
+       sinks=st.integers(0, 4))
+def test_band_mask_with_sinks_or_no_window_matches_definition(q, k, window, sinks):
+    want = np.array([[by_definition_with(a, b, window, sinks) for b in k] for a in q])
+    np.testing.assert_array_equal(band_mask(np.array(q), np.array(k), window, sinks), want)
+    got_t = band_mask(torch.tensor(q), torch.tensor(k), window, sinks)
+    np.testing.assert_array_equal(got_t.numpy(), want)
+
+
+def test_visible_on_plain_ints():
+    assert visible(7, 5, 3) and not visible(7, 4, 3) and not visible(7, 8, 3)
+    assert visible(7, 0, 3, sinks=1) and visible(7, 0, None) and not visible(-1, -1, None)
+
+
+def test_sinks_checked_even_without_a_window():
+    with pytest.raises(ValueError, match="sinks must be >= 0"):
+        band_mask(np.arange(3), np.arange(3), None, sinks=-1)

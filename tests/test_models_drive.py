@@ -102,6 +102,11 @@ def test_band_bias_sinks_and_window():
                                    [1, 0, 0, 0, 1, 1]]
 
 
+def test_band_bias_without_a_window_is_causal_and_ignores_sinks():
+    seen = band_bias(5, window=None, sinks=2, dtype=torch.float32)[0, 0] == 0
+    assert torch.equal(seen, torch.ones(5, 5, dtype=torch.bool).tril())
+
+
 @pytest.mark.parametrize(("bug", "first"), [("slot_rope", 8), ("off_by_one", 7),
                                             ("chunk_first", 0), ("no_stale_mask", 8)])
 def test_bugs_diverge_where_predicted(device, bug, first):

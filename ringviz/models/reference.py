@@ -1,10 +1,10 @@
-"""References that share nothing with the ring: one Hugging Face forward over the whole sequence.
+"""References that share only the window rule with the ring: one HF forward over the sequence.
 
 * Imposed window W on a model trained without one (SmolLM2): HF's forward with an explicit 4D
   band mask. Setting ``config.sliding_window`` is not enough: Llama trims its cache to the
-  window but its mask ignores it, so prefill and decode silently disagree. The mask is written
-  out here from the window rule, not taken from ringviz.masks, so a bug there cannot hide in
-  both paths.
+  window but its mask ignores it, so prefill and decode silently disagree. The mask is the
+  window rule, :func:`ringviz.masks.band_mask` (whose tests check it against the rule's
+  definition); nothing else of the ring is shared.
 * A model with its own sliding window (Gemma 3): HF's forward as it is; its masks are HF's.
 """
 
@@ -17,19 +17,18 @@ import torch
 
 from ringviz.checks import check_int
 from ringviz.hf.config import KIND_TYPES, read_layout
+from ringviz.masks import band_mask
 
 
 def band_bias(length: int, window: int | None, sinks: int = 0, *, dtype: torch.dtype,
               device: torch.device | str | None = None) -> torch.Tensor:
     """Additive mask ``(1, 1, L, L)``: 0 where query i may see key j, the dtype's min elsewhere.
 
-    Visible: ``j <= i`` and (``j > i - window`` or ``j < sinks``); ``window=None`` is causal.
+    Visible by the window rule (:func:`ringviz.masks.band_mask`): ``j <= i`` and
+    (``j > i - window`` or ``j < sinks``); ``window=None`` is causal.
     """
-    i = torch.arange(length, device=device)[:, None]  # (L, 1) query positions
-    j = torch.arange(length, device=device)[None, :]  # (1, L) key positions
-    seen = j <= i
-    if window is not None:
-        seen &= (j > i - window) | (j < sinks)
+    positions = torch.arange(length, device=device)  # query i and key j at position i, j
+    seen = band_mask(positions, positions, window, sinks)  # (L, L)
     bias = torch.zeros(length, length, dtype=dtype, device=device)
     return bias.masked_fill(~seen, torch.finfo(dtype).min)[None, None]
 

@@ -13,6 +13,7 @@ from matplotlib.axes import Axes
 from matplotlib.patches import Patch, Rectangle
 
 from ringviz.checks import check_int
+from ringviz.masks import visible
 from ringviz.viz.style import BOOK_WIDTH, EDGE_COLOR, EVICT_COLOR, STATE_COLORS, WRITE_COLOR
 
 PITCH = 1.5  # vertical distance between rows
@@ -34,7 +35,7 @@ def slot_role(pos: int, query: int, window: int) -> str:
         return "empty"
     if pos >= query:
         return "rejected draft"
-    return "needed" if pos > query - window else "older than its window"
+    return "needed" if visible(query, pos, window) else "older than its window"
 
 
 def draw_draft_rows(rows: Sequence[tuple[str, Sequence[int]]], *, window: int, query: int,
