@@ -62,6 +62,7 @@ tensor([[4, 5, 2, 3]])
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -75,7 +76,6 @@ from ringviz.checks import (
     check_scale,
     check_sink_rope,
     check_tensor,
-    check_truncate,
     missing_positions,
 )
 from ringviz.masks import band_mask, visible
@@ -83,6 +83,46 @@ from ringviz.rope import Rope
 from ringviz.sinks import sinks_with_chunk
 
 _NEVER = torch.iinfo(torch.int64).max  # a position no key reaches
+
+# The seam: a ring step takes q (B, Hq, T, D), k and v (B, Hkv, T, D) and positions (B, T)
+# (absolute, -1 = padding), stores what it keeps and returns the attention output (B, Hq, T, D),
+# scaled by 1/sqrt(D). A make_step(*, batch_size, num_heads, num_kv_heads, head_dim) builds one
+# fresh step; a ring factory(window) gives the make_step of a ring of that window. RingKVCache
+# is one ring; ringviz.hf, RingRunner and the conformance kit take any other in its place.
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MakeStep = Callable[..., Step]
+
+
+def check_truncate(lengths: object, stored: torch.Tensor, newest: torch.Tensor, *,
+                   window: int, capacity: int) -> torch.Tensor:
+    """Return ``lengths`` (B,) as int64 if every row b may forget its positions >= lengths[b].
+
+    Row b must have seen ``lengths[b]`` positions and still hold every one a query at
+    ``lengths[b]`` needs; otherwise ValueError names the row and the lost positions.
+    """
+    lengths = check_tensor("lengths", lengths, stored.device)
+    B = stored.shape[0]
+    if lengths.dtype not in (torch.int64, torch.int32) or lengths.shape != (B,):
+        raise ValueError(f"lengths must be int64 or int32 of shape (B,) = ({B},),"
+                         f" got {lengths.dtype} {tuple(lengths.shape)}")
+    lengths = lengths.to(torch.int64)
+    seen = newest + 1  # (B,)
+    # kept keys a query at `lengths` sees (the window rule), other than its own position
+    needed = visible(lengths[:, None], stored, window) & (stored < lengths[:, None])
+    want = torch.minimum(lengths, torch.full_like(lengths, window - 1))
+    bad = (lengths < 0) | (lengths > seen) | (needed.sum(-1) < want)  # (B,)
+    if not bool(bad.any()):
+        return lengths
+    b = int(bad.nonzero()[0, 0])
+    n = int(lengths[b])
+    if n < 0 or n > int(seen[b]):
+        raise ValueError(f"row {b}: cannot truncate to {n} positions; it has seen "
+                         f"{int(seen[b])}")
+    lost = missing_positions(stored, lengths, window)[b]
+    raise ValueError(
+        f"row {b}: truncating to {n} leaves out position(s) {lost}, which the query at {n} "
+        f"needs: later tokens overwrote them (capacity {capacity}, window "
+        f"{window}: the ring can take back at most {capacity - window + 1} token(s))")
 
 
 def home_slots(positions: torch.Tensor, sinks: int, capacity: int) -> torch.Tensor:

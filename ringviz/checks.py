@@ -158,40 +158,6 @@ def missing_positions(stored: torch.Tensor, lengths: torch.Tensor, window: int
     return out
 
 
-def check_truncate(lengths: object, stored: torch.Tensor, newest: torch.Tensor, *,
-                   window: int, capacity: int) -> torch.Tensor:
-    """Return ``lengths`` (B,) as int64 if every row b may forget its positions >= lengths[b].
-
-    Row b must have seen ``lengths[b]`` positions and still hold every one a query at
-    ``lengths[b]`` needs; otherwise ValueError names the row and the lost positions.
-    """
-    lengths = check_tensor("lengths", lengths, stored.device)
-    B = stored.shape[0]
-    if lengths.dtype not in (torch.int64, torch.int32) or lengths.shape != (B,):
-        raise ValueError(f"lengths must be int64 or int32 of shape (B,) = ({B},),"
-                         f" got {lengths.dtype} {tuple(lengths.shape)}")
-    from ringviz.masks import visible  # here, not at the top: masks imports check_int from here
-
-    lengths = lengths.to(torch.int64)
-    seen = newest + 1  # (B,)
-    # kept keys a query at `lengths` sees (the window rule), other than its own position
-    needed = visible(lengths[:, None], stored, window) & (stored < lengths[:, None])
-    want = torch.minimum(lengths, torch.full_like(lengths, window - 1))
-    bad = (lengths < 0) | (lengths > seen) | (needed.sum(-1) < want)  # (B,)
-    if not bool(bad.any()):
-        return lengths
-    b = int(bad.nonzero()[0, 0])
-    n = int(lengths[b])
-    if n < 0 or n > int(seen[b]):
-        raise ValueError(f"row {b}: cannot truncate to {n} positions; it has seen "
-                         f"{int(seen[b])}")
-    lost = missing_positions(stored, lengths, window)[b]
-    raise ValueError(
-        f"row {b}: truncating to {n} leaves out position(s) {lost}, which the query at {n} "
-        f"needs: later tokens overwrote them (capacity {capacity}, window "
-        f"{window}: the ring can take back at most {capacity - window + 1} token(s))")
-
-
 def check_sink_rope(rope: object, sinks: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device) -> Callable | None:
     """Return ``rope`` if it is None or a rotation usable for ``sinks`` sink keys; raise otherwise.

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from ringviz.cache import check_truncate
 from ringviz.checks import (
     check_int,
     check_kv,
@@ -13,7 +14,6 @@ from ringviz.checks import (
     check_sink_rope,
     check_sinks,
     check_tensor,
-    check_truncate,
     missing_positions,
     sink_convention_from,
 )

@@ -12,12 +12,7 @@ from tiny_models import FAMILIES, tiny_gemma, tiny_llama, tokens  # noqa: E402
 from ringviz import hf  # noqa: E402
 from ringviz.hf import PREFILL_CHUNK  # noqa: E402
 from ringviz.hf.config import layer_windows  # noqa: E402
-from ringviz.models.bugs import (  # noqa: E402
-    BUGS,
-    SharedRingRunner,
-    SlotRopeRunner,
-    first_divergence,
-)
+from ringviz.models.bugs import bug_ring, first_divergence  # noqa: E402
 from ringviz.models.drive import (  # noqa: E402
     RingRunner,
     left_pad,
@@ -112,9 +107,8 @@ def test_band_bias_without_a_window_is_causal_and_ignores_sinks():
 def test_bugs_diverge_where_predicted(device, bug, first):
     model, window = tiny_llama(device), 8
     ids = tokens(30, device)
-    _, cls, capacity = BUGS[bug]
-    ring = ring_logits(cls(model, 1, capacity(window), len(ids)), [ids], [12],
-                       prefill_chunk=12)[0]  # the 12-token prompt in one call
+    runner = RingRunner(model, 1, window, len(ids), ring=bug_ring(model, bug))
+    ring = ring_logits(runner, [ids], [12], prefill_chunk=12)[0]  # the prompt in one call
     assert first_divergence(ring, reference_logits(model, ids, window), tol=1e-9) == first
 
 
@@ -122,16 +116,16 @@ def test_chunked_prefill_delays_chunk_first_to_the_second_chunk(device):
     """Chunks of W fit the ring, so write-before-attend first loses keys in chunk 2."""
     model, window = tiny_llama(device), 8
     ids = tokens(30, device)
-    _, cls, capacity = BUGS["chunk_first"]
-    ring = ring_logits(cls(model, 1, capacity(window), len(ids)), [ids], [12],
-                       prefill_chunk=window)[0]
+    runner = RingRunner(model, 1, window, len(ids), ring=bug_ring(model, "chunk_first"))
+    ring = ring_logits(runner, [ids], [12], prefill_chunk=window)[0]
     assert first_divergence(ring, reference_logits(model, ids, window), tol=1e-9) == window
 
 
 def test_shared_ring_crosstalk_hits_the_second_row(device):
     model, window = tiny_llama(device), 8
     rows = [tokens(20, device), tokens(20, device, offset=1)]
-    ring = ring_logits(SharedRingRunner(model, 2, window, 20), rows, [12, 12], prefill_chunk=12)
+    runner = RingRunner(model, 2, window, 20, ring=bug_ring(model, "shared_ring"))
+    ring = ring_logits(runner, rows, [12, 12], prefill_chunk=12)
     refs = [reference_logits(model, r, window) for r in rows]
     assert first_divergence(ring[1], refs[1], tol=1e-9) == 12 - window  # sees row 0's keys
     assert first_divergence(ring[0], refs[0], tol=1e-9) == 12  # then row 0 sees row 1's
@@ -140,7 +134,8 @@ def test_shared_ring_crosstalk_hits_the_second_row(device):
 def test_slot_rope_is_harmless_before_the_first_wrap(device):
     model = tiny_llama(device)
     ids = tokens(8, device)
-    ring = ring_logits(SlotRopeRunner(model, 1, 8, 8), [ids], [3])[0]
+    ring = ring_logits(RingRunner(model, 1, 8, 8, ring=bug_ring(model, "slot_rope")), [ids],
+                       [3])[0]
     assert (ring - reference_logits(model, ids, 8)).abs().max() < EXACT
 
 

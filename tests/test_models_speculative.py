@@ -71,6 +71,6 @@ def test_bad_calls():
     runner.forward(tokens(5, "cpu")[None], torch.arange(5)[None])
     with pytest.raises(ValueError, match="at most max_draft \\+ 1 = 3 tokens"):
         runner.verify(tokens(4, "cpu")[None], torch.arange(5, 9)[None])
-    assert all(ring.lengths.tolist() == [5] for ring in runner.caches)  # nothing changed
+    assert all(ring.lengths.tolist() == [5] for ring in runner.engines)  # nothing changed
     with pytest.raises(ValueError, match="commit\\(\\) needs a verify\\(\\) first"):
         runner.commit(torch.tensor([1]))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from ringviz import RingKVCache
-from ringviz.conformance.probe import MakeStep, Step, Unsupported
+from ringviz.cache import MakeStep, Step
+from ringviz.conformance.probe import Unsupported
 
 
 def ringviz_ring(window: int, sinks: int = 0) -> MakeStep:

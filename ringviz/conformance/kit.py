@@ -17,8 +17,9 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, reject, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import Flaky, Unsatisfiable
 
+from ringviz.cache import MakeStep
 from ringviz.checks import check_int
-from ringviz.conformance.probe import MakeStep, Unsupported, evaluate
+from ringviz.conformance.probe import Unsupported, evaluate
 from ringviz.conformance.report import PROPERTIES, Failure, Report
 from ringviz.conformance.schedule import schedules
 

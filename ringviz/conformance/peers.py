@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ringviz.cache import MakeStep
 from ringviz.conformance import adapters
 from ringviz.conformance.kit import check
 from ringviz.conformance.pitfalls import PITFALLS
-from ringviz.conformance.probe import MakeStep
 from ringviz.conformance.report import PROPERTIES, Report
 
 

@@ -17,7 +17,16 @@ padding_in_slots   padding counted as tokens, taking slots (ch. 7; mlx-lm #439) 
 shared_ring        the rows of a batch take turns in one ring (ch. 7)            window
 sinks_overwritten  sinks kept by the mask, not by the storage (mlx-lm #1631)     window
 slot_rope          keys turned again, to their slot ``pos % W`` (ch. 4)          values
+double_rope        keys the model turned turned again by ``pos`` (ch. 4)         values
+one_base           local layers turned with the global RoPE base (ch. 4)         values
+batch_counter      one decode position for a left-padded batch (ch. 4)           window
 =================  ============================================================  ======
+
+Each is a ring factory: ``factory(window)`` is a make_step (the seam,
+:data:`ringviz.cache.MakeStep`), so the kit checks it and ``RingRunner(model, ..., ring=factory)``
+or ``ringviz.hf.generate(model, ..., ring=factory)`` runs it inside a real model. The RoPE
+pitfalls take the rotation ``rope`` (``f(x, positions)``): :func:`ringviz.apply_rope` for the
+kit's keys, the model's own (:func:`ringviz.hf.rotary.model_sink_rope`) on a real model.
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from ringviz import RingKVCache, apply_rope, band_mask
-from ringviz.conformance.probe import MakeStep, Step
+from ringviz.cache import MakeStep, Step
+from ringviz.rope import Rope
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -191,14 +201,58 @@ def shared_ring(window: int) -> MakeStep:
     return _lazy(build)
 
 
-def slot_rope(window: int) -> MakeStep:
-    """Keys (already turned to ``pos``) turned by ``pos % W - pos`` more, i.e. to their slot:
-    right until the first wrap, then every old key is scored at the wrong distance."""
+def _turned(window: int, turn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
+                                           tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+            ) -> MakeStep:
+    """The correct ring fed ``turn(q, k, positions) -> (q, k, positions)``: RoPE gone wrong."""
     def build(k, B, H, D):
         ring = _ring(k, B, H, D, window)
 
         def step(q, k, v, positions):
-            return ring.step(q, apply_rope(k, positions % window - positions), v, positions)
+            q, k, positions = turn(q, k, positions)
+            return ring.step(q, k, v, positions)
+
+        return step
+
+    return _lazy(build)
+
+
+def slot_rope(window: int, rope: Rope = apply_rope) -> MakeStep:
+    """Keys (already turned to ``pos``) turned by ``pos % W - pos`` more, i.e. to their slot:
+    right until the first wrap, then every old key is scored at the wrong distance."""
+    return _turned(window, lambda q, k, pos: (q, rope(k, pos % window - pos), pos))
+
+
+def double_rope(window: int, rope: Rope = apply_rope) -> MakeStep:
+    """Keys the model already turned to ``pos`` turned by ``pos`` again (a cache that "adds"
+    RoPE): ``R(2 pos)``, right at position 0 only."""
+    return _turned(window, lambda q, k, pos: (q, rope(k, pos), pos))
+
+
+def one_base(window: int, own: Rope = apply_rope,
+             other: Rope = lambda x, pos: apply_rope(x, pos, theta=1e6)) -> MakeStep:
+    """Queries and keys turned from the layer's own RoPE base to another (Gemma 3's global
+    base on its local layers, as if the model had one): right at position 0 only."""
+    def turn(q, k, pos):
+        return other(own(q, -pos), pos), other(own(k, -pos), pos), pos
+
+    return _turned(window, turn)
+
+
+def batch_counter(window: int, rope: Rope = apply_rope) -> MakeStep:
+    """One position counter for the batch: after a left-padded prefill with per-row positions,
+    every row's decode token takes the padded width (+1 per step), so a row with ``p`` padding
+    tokens sits ``p`` positions too far: turned, stored and masked there."""
+    def build(k, B, H, D):
+        ring, columns = _ring(k, B, H, D, window), [0]
+
+        def step(q, k, v, pos):
+            T, counted = pos.shape[1], columns[0]
+            columns[0] += T
+            if T == 1 and counted:  # a decode step: every row at the batch's counter
+                shared = torch.full_like(pos, counted)  # (B, 1)
+                q, k, pos = rope(q, shared - pos), rope(k, shared - pos), shared
+            return ring.step(q, k, v, pos)  # a prefill chunk keeps its per-row positions
 
         return step
 
@@ -242,4 +296,8 @@ PITFALLS: dict[str, Pitfall] = {
     "sinks_overwritten": Pitfall("sinks kept by the mask, overwritten in the ring",
                                  sinks_overwritten, "window", sinks=2),
     "slot_rope": Pitfall("keys turned again, to their slot pos % W", slot_rope, "values"),
+    "double_rope": Pitfall("keys the model turned turned again by pos", double_rope, "values"),
+    "one_base": Pitfall("local layers turned with the global RoPE base", one_base, "values"),
+    "batch_counter": Pitfall("one decode position for a left-padded batch", batch_counter,
+                             "window", batch_size=2, ragged=True),
 }

@@ -16,16 +16,13 @@ mapping in grouped-query attention, keys re-rotated or mixed up between slots).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
 from ringviz import band_mask
+from ringviz.cache import MakeStep
 from ringviz.conformance.report import Failure
 from ringviz.conformance.schedule import Schedule
-
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-MakeStep = Callable[..., Step]
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2  # grouped-query attention: two query heads per KV head
 MAX_HEAD_DIM = 64

@@ -24,6 +24,7 @@ from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 
 from ringviz.hf.cache import NOT_THROUGH_GENERATE, RingCache
+from ringviz.masks import band_mask
 
 ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transformers' registries
 
@@ -78,11 +79,11 @@ def _is_plain_causal(mask_function: Callable, local_size: int | None,
                      device: torch.device) -> bool:
     """True if ``mask_function`` is the plain causal (or sliding causal) rule: nothing else."""
     n = (local_size or 4) + 3
-    q = torch.arange(n, device=device)[:, None]
-    kv = torch.arange(n, device=device)[None, :]
+    idx = torch.arange(n, device=device)
     zero = torch.zeros((), dtype=torch.int64, device=device)
-    expected = (kv <= q) & ((kv > q - local_size) if local_size else True)
-    return bool(torch.equal(mask_function(zero, zero, q, kv).expand(n, n), expected))
+    expected = band_mask(idx, idx, local_size or None)  # (q, kv): the window rule
+    return bool(torch.equal(mask_function(zero, zero, idx[:, None], idx[None, :]).expand(n, n),
+                            expected))
 
 
 def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,

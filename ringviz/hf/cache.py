@@ -19,13 +19,14 @@ the next ask for a mask starts a new one.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ringviz.attention import masked_attention, unmasked_attention
-from ringviz.cache import RingKVCache, step_key_positions
+from ringviz.cache import MakeStep, RingKVCache, step_key_positions
 from ringviz.checks import check_int, check_sinks, sink_convention_from
 from ringviz.hf.config import read_layout
 from ringviz.hf.rotary import check_rope, model_sink_rope
@@ -153,15 +154,20 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     ``sinks=S`` keeps each row's first ``S`` positions in ``S`` more slots (attention sinks);
     ``sink_rope`` is the ring's convention for them (None: absolute positions; a rotation:
     StreamingLLM's positions inside the cache).
+
+    ``make_step``: another ring in its place (the seam, :data:`ringviz.cache.MakeStep`), built
+    at the layer's first step and called with its q, k, v and positions: no plan mask, no row
+    operations, no crop (it keeps its own storage).
     """
 
     is_sliding = True
     is_compileable = True  # fixed shapes; the token count is a tensor, as in HF's StaticLayer
 
     def __init__(self, window: int, *, sinks: int = 0, sink_rope: Rope | None = None,
-                 draft: int = 0) -> None:
+                 draft: int = 0, make_step: MakeStep | None = None) -> None:
         super().__init__()
         self.window, self.sinks, self.sink_rope = window, sinks, sink_rope
+        self.make_step, self.other = make_step, None  # another ring's step, once made
         # ``draft`` spare slots let a rejected draft of up to that many tokens be cropped: the
         # ring holds window + draft positions, so the keys the next query needs survive
         self.capacity = window + draft
@@ -194,7 +200,8 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     def plain_causal(self, T: int) -> bool:
         """Whether a chunk of ``T`` real tokens, stepped now, sees exactly the causal mask:
         the ring holds nothing yet (not allocated), the window covers the chunk, no sinks."""
-        return self.ring is None and not self.sinks and T <= self.window
+        return (self.make_step is None and self.ring is None and not self.sinks
+                and T <= self.window)
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              positions: torch.Tensor, mask: torch.Tensor, scale: float, *,
@@ -208,6 +215,8 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         mask, then it is written; ``real``: every token is real, so each row's is its next
         position (the ring's contiguous write).
         """
+        if self.make_step is not None:
+            return self._other_step(query, key, value, positions, scale)
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         if causal and query.shape[2] == key.shape[2]:
@@ -222,8 +231,29 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         self.seen.add_(key.shape[2])
         return out
 
+    def _other_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    positions: torch.Tensor, scale: float) -> torch.Tensor:
+        """The other ring's step. A step scales by ``1/sqrt(D)``: the model's own ``scale`` is
+        folded into the query (``q * scale * sqrt(D)``), the same scores."""
+        B, H, T, D = key.shape
+        if query.shape[2] != T:
+            raise ValueError(f"a ring step takes as many queries as keys ({query.shape[2]} vs "
+                             f"{T}): this model's KV-shared layers need RingCache's own rings")
+        if self.other is None:
+            self.other = self.make_step(batch_size=B, num_heads=query.shape[1], num_kv_heads=H,
+                                        head_dim=D)
+            self.seen = self.seen.to(key.device)
+            self.is_initialized = True
+        factor = scale * D ** 0.5
+        out = self.other(query if factor == 1.0 else query * factor, key, value, positions)
+        self.seen.add_(T)
+        return out
+
     def take_rows(self, index: torch.Tensor) -> None:
         """Row ``i`` becomes row ``index[i]`` (the row operations of :class:`RowsMixin`)."""
+        if self.make_step is not None and self.other is not None:
+            raise NotImplementedError("a ring step given through make_step keeps its own rows: "
+                                      "beam search and row selection need RingCache's rings")
         if self.ring is not None:
             self.ring.take_rows(index.to(self.ring.device), check=False)
             self.keys, self.values = self.ring.k, self.ring.v
@@ -244,6 +274,9 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         holds the window its next query needs: true for drafts up to the spare slots.
         """
         n = -tokens_to_remove
+        if n and self.make_step is not None:
+            raise NotImplementedError("a ring step given through make_step keeps its own "
+                                      "storage: a crop needs RingCache's rings (draft=K)")
         if n and self.ring is not None:
             self.ring.truncate(self.ring.lengths - n)
             self.seen.sub_(n)
@@ -255,6 +288,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     def reset(self) -> None:
         if self.ring is not None:
             self.ring.reset()
+        self.other = None  # another ring's step is made afresh
         self.seen.zero_()
 
 
@@ -305,7 +339,7 @@ class FullLayer(RowsMixin, CacheLayerMixin):
     def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool ``(B, 1, T, seen + T)``: slot ``j`` (position ``j``) visible to queries ``>= j``."""
         slots = torch.arange(self.seen + q_positions.shape[1], device=q_positions.device)
-        return ((slots <= q_positions[..., None]) & (q_positions[..., None] >= 0))[:, None]
+        return band_mask(q_positions, slots, None)[:, None]  # the window rule, no window
 
     def plain_causal(self, T: int) -> bool:
         """Whether a chunk of ``T`` real tokens, stepped now, sees exactly the causal mask:
@@ -420,6 +454,10 @@ class RingCache(Cache):
     base, not the global one). The same choices as :class:`ringviz.models.drive.RingRunner`,
     which drives a RingCache too.
 
+    ``ring=factory`` puts another ring under every sliding layer: ``factory(window)`` is a
+    make_step (:data:`ringviz.cache.MakeStep`, the seam the conformance kit tests), so a
+    pitfall of the kit's catalogue runs inside a real model in one line.
+
     ``draft=K`` gives every ring ``K`` spare slots (capacity ``window + K``, masks still
     ``window``), so :meth:`crop` can take back a rejected draft of up to ``K`` tokens: assisted
     decoding and prompt lookup (chapter 13's rollback), which :func:`~ringviz.hf.generate`
@@ -433,11 +471,17 @@ class RingCache(Cache):
 
     def __init__(self, model, *, window: int | None = None, sinks: int = 0,
                  sink_convention: str = "absolute", sink_rope: str | None = None,
-                 draft: int = 0) -> None:
+                 draft: int = 0, ring: Callable[[int], MakeStep] | None = None) -> None:
         """``sink_rope=None | "cache"``: the deprecated spelling of ``sink_convention``."""
         sink_convention = sink_convention_from(sink_convention, sink_rope)
         sinks = check_sinks(sinks, sink_convention)
         self.draft = check_int("draft", draft, minimum=0)
+        if ring is not None and not callable(ring):
+            raise TypeError(f"ring must be a factory window -> make_step, got "
+                            f"{type(ring).__name__}")
+        if ring is not None and (sinks or self.draft):
+            raise ValueError("sinks and draft slots belong to RingCache's own rings: a ring "
+                             "given through ring= keeps what its factory builds")
         check_model(model)
         layout = read_layout(model.config)
         windows = layout.windows(window)  # ValueError on a bad window
@@ -446,7 +490,8 @@ class RingCache(Cache):
             rope = model_sink_rope(model, "sliding_attention")
             check_rope(model, rope, "sliding_attention")
         check_kv_sharing(model.config)
-        super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope, draft=self.draft)
+        super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope, draft=self.draft,
+                                           make_step=ring(w) if ring else None)
                                  if w else FullLayer() for w in windows])
         self.config, self.layout = model.config, layout
         self.windows = windows
@@ -519,9 +564,10 @@ class RingCache(Cache):
 
     def row_tokens(self) -> torch.Tensor:
         """``(B,)`` real (unpadded) tokens each row holds: its newest position + 1."""
-        ring = next(layer.ring for layer in self.layers if isinstance(layer, RingLayer))
+        ring = next((layer.ring for layer in self.layers
+                     if isinstance(layer, RingLayer) and layer.ring is not None), None)
         if ring is None:
-            raise ValueError("row_tokens: this RingCache holds no tokens yet")
+            raise ValueError("row_tokens: this RingCache holds no tokens in a ring of its own")
         return ring.lengths
 
     def allocate(self, batch_size: int, tokens: int, dtype: torch.dtype,
@@ -529,9 +575,10 @@ class RingCache(Cache):
         """Allocate every layer now (rings: their window; full layers: ``tokens`` slots)."""
         self.reserve(tokens)
         for layer in self.layers:
-            x = torch.empty(batch_size, self.layout.num_kv_heads, 0, self.layout.head_dim,
-                            dtype=dtype, device=device)
-            layer.lazy_initialization(x, x)
+            if getattr(layer, "make_step", None) is None:  # another ring is made at its step
+                x = torch.empty(batch_size, self.layout.num_kv_heads, 0, self.layout.head_dim,
+                                dtype=dtype, device=device)
+                layer.lazy_initialization(x, x)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:

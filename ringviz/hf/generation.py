@@ -10,12 +10,14 @@ first forward, so a refused call changes nothing.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import transformers
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
+from ringviz.cache import MakeStep
 from ringviz.checks import check_sinks, sink_convention_from
 from ringviz.hf.attention import ring_active
 from ringviz.hf.cache import RingCache
@@ -177,7 +179,7 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
 
 def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None = None,
              sinks: int = UNSET, sink_convention: str = UNSET, sink_rope: str | None = None,
-             **kwargs):
+             ring: Callable[[int], MakeStep] | None = None, **kwargs):
     """``model.generate(input_ids, **kwargs)`` decoded through a :class:`RingCache`.
 
     A fresh ``RingCache(model, window=window, sinks=sinks, sink_convention=...)`` unless
@@ -185,6 +187,8 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
     ``sinks=S`` keeps each row's first S tokens in every ring; ``sink_convention="absolute"``
     scores them at their own positions, ``"cache"`` at StreamingLLM's positions inside the cache
     (:class:`RingCache`; ``sink_rope=None | "cache"`` is its deprecated spelling).
+    ``ring=factory`` decodes with another ring under every sliding layer (the seam:
+    ``factory(window)`` is a make_step), e.g. a pitfall of :mod:`ringviz.conformance.pitfalls`.
 
     A conversation passes the returned cache back with the whole conversation so far as
     ``input_ids`` (and its ``attention_mask``, padding included), as with Hugging Face's own
@@ -206,8 +210,11 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
     if cache is None:
         cache = RingCache(model, window=window, sinks=0 if sinks is UNSET else sinks,
                           sink_convention="absolute" if sink_convention is UNSET
-                          else sink_convention, draft=draft)
+                          else sink_convention, draft=draft, ring=ring)
     else:
+        if ring is not None:
+            raise ValueError("ring= builds a cache's rings: pass it to RingCache, not with "
+                             "cache=")
         check_settings(model, cache, window, sinks, sink_convention)
         if draft > cache.draft:
             raise ValueError(f"this call may draft {draft} tokens, but the cache's rings have "

@@ -13,8 +13,8 @@ Modules (transformers is imported here and in ``ringviz.hf``, never by the core)
 - ``sinks``: StreamingLLM itself, the reference for the ring's sinks.
 - ``streaming``: perplexity with sinks in both conventions (``python -m ringviz streaming``).
 - ``speculative``: ``DraftRunner`` and greedy speculative decoding (chapter 13).
-- ``bugs``: the classic ring-cache bugs, run on a real model, next to the correct version.
-- ``rope_pitfalls``: RoPE pitfalls as runner variants (chapter 4).
+- ``bugs``: the catalogue's pitfalls (``ringviz.conformance.pitfalls``) run on a real model
+  through the seam, next to the correct ring (chapters 4, 10).
 - ``chat``: ``Conversation``, turn after turn through one RingCache (``python -m ringviz
   generate`` and ``python -m ringviz chat``).
 """

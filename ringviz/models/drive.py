@@ -14,7 +14,7 @@ A runner is a :class:`ringviz.hf.RingCache` (the one integration with transforme
 attention function, rings for sliding layers, growing full layers) fed explicit positions::
 
     runner.forward(ids, positions) -> cache plan (positions, masks per kind) -> HF layers:
-        q, k, v (RoPE at positions) -> runner.attend -> layer step: ring write -> attention
+        q, k, v (RoPE at positions) -> the layer's step: ring write -> attention
 
 so every model ``ringviz.hf`` serves, the runner serves, with the same numbers. Its stores are
 allocated up front: a ring per sliding layer, and per full-attention layer (Gemma 3's 5, 11,
@@ -28,25 +28,15 @@ than decode from a cache whose layers disagree.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ringviz.cache import RingKVCache
+from ringviz.cache import MakeStep, RingKVCache
 from ringviz.checks import check_int, sink_convention_from
 from ringviz.hf.attention import ring_active
 from ringviz.hf.cache import FullLayer, RingCache, RingLayer
 from ringviz.hf.generation import PREFILL_CHUNK
-
-
-class _DrivenCache(RingCache):
-    """A RingCache whose layer steps go through its runner's :meth:`RingRunner.attend`."""
-
-    def __init__(self, runner: RingRunner, model, **kwargs) -> None:
-        super().__init__(model, **kwargs)
-        self.runner = runner
-
-    def step_layer(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
-                   value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-        return self.runner.attend(layer_idx, query, key, value, self.plan.positions, scale)
 
 
 class RingRunner:
@@ -60,21 +50,28 @@ class RingRunner:
     the sink keys turned by the model's own rotary embedding
     (:func:`ringviz.hf.rotary.model_sink_rope`: Gemma 3's local base, not the global one).
     ``caches[i]`` is layer i's store: a :class:`RingKVCache` (ring) or a ``FullLayer``.
+    ``ring=factory`` puts another ring under every sliding layer (the seam,
+    :data:`ringviz.cache.MakeStep`: ``factory(window)`` is a make_step, e.g. a pitfall of
+    :mod:`ringviz.conformance.pitfalls`); its layers' ``caches`` entries are then None.
     """
 
     def __init__(self, model, batch_size: int, window: int | None, capacity: int, *,
                  sinks: int = 0, sink_convention: str = "absolute",
-                 sink_rope: str | None = None) -> None:
+                 sink_rope: str | None = None, ring: Callable[[int], MakeStep] | None = None
+                 ) -> None:
         """``sink_rope=None | "cache"``: the deprecated spelling of ``sink_convention``."""
         self.capacity = check_int("capacity", capacity)
         self.batch_size = check_int("batch_size", batch_size)
         self.model = model
         sink_convention = sink_convention_from(sink_convention, sink_rope)
-        self.cache = _DrivenCache(self, model, window=window, sinks=sinks,
-                                  sink_convention=sink_convention)
+        self.cache = RingCache(model, window=window, sinks=sinks,
+                               sink_convention=sink_convention, ring=ring)
         self.sinks, self.sink_convention = self.cache.sinks, sink_convention
         self.windows = self.cache.windows
-        self.caches = self._stores()
+        param = next(model.parameters())
+        self.cache.allocate(self.batch_size, self.capacity, param.dtype, param.device)
+        self.caches = [layer.ring if isinstance(layer, RingLayer) else layer
+                       for layer in self.cache.layers]
         self.prefill_chunk = PREFILL_CHUNK
         self._full = any(isinstance(c, FullLayer) for c in self.caches)
         self._next = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
@@ -83,20 +80,15 @@ class RingRunner:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _stores(self) -> list:
-        """Every layer's store, allocated now (bug and draft variants bring their own)."""
-        param = next(self.model.parameters())
-        self.cache.allocate(self.batch_size, self.capacity, param.dtype, param.device)
-        return [layer.ring if isinstance(layer, RingLayer) else layer
-                for layer in self.cache.layers]
-
-    def _first_ring(self) -> RingKVCache:
-        return next(c for c in self.caches if isinstance(c, RingKVCache))
+    def _first_ring(self) -> RingKVCache | None:
+        """The first of the runner's own rings (None if every ring is another's)."""
+        return next((c for c in self.caches if isinstance(c, RingKVCache)), None)
 
     def reset(self) -> None:
         """Empty every layer's store: the way back after an interrupted forward."""
         for store in (*self.cache.layers, *self.caches):
-            store.reset()
+            if store is not None:
+                store.reset()
         self._next.zero_()
         self.cache.refused = None
 
@@ -104,18 +96,6 @@ class RingRunner:
     def nbytes(self) -> int:
         """Bytes held by all layers' stores (k, v and positions)."""
         return sum(c.nbytes for c in self.caches)
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               positions: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention for one layer: write its new tokens and attend (bugs.py overrides this).
-
-        Every layer of one forward gets the same positions and shapes, and all rings advance
-        together, so validating at layer 0 (before anything is written) covers them all and
-        spares the other layers the host sync.
-        """
-        if layer == 0:
-            self._first_ring().check_step(q, k, v, positions, scale=scale)  # writes nothing
-        return RingCache.step_layer(self.cache, layer, q, k, v, self.cache.plan_mask(layer), scale)
 
     def _check_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Refuse a call on a cache an earlier forward left part-way (until :meth:`reset`),
@@ -156,6 +136,9 @@ class RingRunner:
         all). Nothing is written when the call is refused.
         """
         self._check_call(input_ids, positions)
+        ring = self._first_ring()
+        if ring is not None:  # one host read; every ring of the forward then writes trusted
+            ring.check_positions(positions)
         self.cache.given_positions = positions
         with ring_active(self.model, self.cache):
             out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache,
@@ -179,7 +162,9 @@ class RingRunner:
         T = positions.shape[1]
         if T <= chunk:  # one chunk: forward's own layer-0 check covers it
             return self.forward(input_ids, positions, logits_to_keep=1 if last_only else 0)
-        self._first_ring().check_positions(positions)  # all chunks, before the first write
+        ring = self._first_ring()
+        if ring is not None:  # all chunks, before the first write
+            ring.check_positions(positions)
         out = None
         for s in range(0, T, chunk):
             logits = self.forward(input_ids[:, s:s + chunk], positions[:, s:s + chunk],

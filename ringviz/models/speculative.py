@@ -1,8 +1,9 @@
 """Greedy speculative decoding on a real model whose layers keep their KV in draft rings.
 
-Every layer of the target model gets one :mod:`ringviz.speculative` engine instead of a plain
-``RingKVCache``. The draft is prompt lookup (no model, no cache of its own): the ``k`` tokens
-that followed the latest earlier occurrence of the text's last ``ngram`` tokens. One cycle::
+Every sliding layer of the target model gets one :mod:`ringviz.speculative` engine instead of a
+plain ``RingKVCache`` (the seam, ``ring=``). The draft is prompt lookup (no model, no cache of
+its own): the ``k`` tokens that followed the latest earlier occurrence of the text's last
+``ngram`` tokens. One cycle::
 
     chunk = [target's last token, k draft tokens] -> verify (one forward, k + 1 positions)
     -> keep the drafts the target's argmax agrees with -> commit them to every layer's ring
@@ -17,53 +18,63 @@ from collections.abc import Callable
 
 import torch
 
+from ringviz.cache import MakeStep, Step
 from ringviz.checks import check_int
-from ringviz.hf.config import read_layout
+from ringviz.hf.cache import FullLayer
 from ringviz.models.drive import RingRunner
 from ringviz.speculative import DraftRing
 
 
 class DraftRunner(RingRunner):
-    """A ``RingRunner`` whose layers hold ``engine`` rings: ``forward`` prefills, then
-    :meth:`verify` and :meth:`commit` per cycle.
+    """A ``RingRunner`` whose sliding layers hold ``engine`` rings, put under the model through
+    the seam (``ring=``): ``forward`` prefills, then :meth:`verify` and :meth:`commit` per cycle.
 
-    Every layer's store is an engine (a full layer's: a ring of ``capacity`` that never wraps),
-    allocated once; the runner's own stores are never made. No attention sinks: a draft engine
-    has none.
+    Full-attention layers (Gemma 3's) keep their ``FullLayer``: slot = position, so a rejected
+    draft's keys are overwritten by the next chunk, and :meth:`commit` forgets their columns.
+    No attention sinks: a draft engine has none.
     """
 
     def __init__(self, model, engine: type[DraftRing], window: int | None, max_draft: int,
                  capacity: int, batch_size: int = 1) -> None:
         self.engine, self.max_draft = engine, check_int("max_draft", max_draft)
-        super().__init__(model, batch_size, window, capacity)
-        self._verifying = False
+        self.engines: list[DraftRing] = []  # one per sliding layer, made at its first step
+        self._verifying, self._verified = False, 0
+        super().__init__(model, batch_size, window, capacity, ring=self._engine_ring)
 
-    def _stores(self) -> list[DraftRing]:
-        param, layout = next(self.model.parameters()), read_layout(self.model)
-        return [self.engine(self.batch_size, layout.num_kv_heads, w or self.capacity,
-                            layout.head_dim, self.max_draft, dtype=param.dtype,
-                            device=param.device) for w in self.windows]
+    def _engine_ring(self, window: int) -> MakeStep:
+        """The seam's ring factory: a make_step whose step prefills or verifies an engine."""
+        param = next(self.model.parameters())
 
-    def _first_ring(self):
-        return self.caches[0].cache  # the engines check their own positions
+        def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int,
+                      head_dim: int) -> Step:
+            ring = self.engine(batch_size, num_kv_heads, window, head_dim, self.max_draft,
+                               dtype=param.dtype, device=param.device)
+            self.engines.append(ring)
+            return lambda q, k, v, positions: (ring.verify if self._verifying
+                                               else ring.prefill)(q, k, v, positions)
 
-    def attend(self, layer, q, k, v, positions, scale):
-        ring = self.caches[layer]
-        call = ring.verify if self._verifying else ring.prefill
-        return call(q, k, v, positions, scale=scale)
+        return make_step
 
     def verify(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` of a draft chunk; every layer then waits for a commit."""
         self._verifying = True
         try:
-            return self.forward(input_ids, positions)
+            out = self.forward(input_ids, positions)
         finally:
             self._verifying = False
+        self._verified = positions.shape[1]
+        return out
 
     def commit(self, accepted: torch.Tensor) -> None:
         """Keep the first ``accepted[b]`` tokens of the verified chunk in every layer."""
-        for ring in self.caches:
+        for ring in self.engines:
             ring.commit(accepted)
+        rejected = self._verified - accepted.to(self._next.device)  # (B,)
+        self._next -= rejected
+        for layer in self.caches:
+            if isinstance(layer, FullLayer):  # columns no row kept any more
+                layer.crop(-int(rejected.min()))
+        self._verified = 0
 
 
 def lookup_draft(seq: list[int], k: int, ngram: int = 2) -> list[int]:
@@ -96,7 +107,7 @@ def speculative_generate(runner: DraftRunner, prompt: torch.Tensor, new_tokens: 
     every committed position ``0 .. L-1`` (prompt and accepted tokens), and the tokens kept
     per cycle.
     """
-    if runner.caches[0].cache.batch_size != 1 or prompt.ndim != 1 or new_tokens < 1:
+    if runner.batch_size != 1 or prompt.ndim != 1 or new_tokens < 1:
         raise ValueError("speculative_generate decodes one row: a (P,) prompt, a runner of "
                          f"batch size 1, new_tokens >= 1 (got {new_tokens})")
     device, k = prompt.device, runner.max_draft
