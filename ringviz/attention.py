@@ -1,19 +1,16 @@
 """Attention over a ring's keys: masks come in from stored positions, GQA by head grouping.
 
-:func:`masked_attention` is SDPA with one boolean mask for every head (:func:`unmasked_attention`
-the same without a mask, for a full ring's decode step); :func:`sink_attention`
-is the same attention with the sink columns scored per query (StreamingLLM's convention, see
-:mod:`ringviz.sinks`); :func:`ring_attention` picks one by the sink convention. None knows about
-slots: they take keys, values and a mask.
+:func:`attend` is the one entry point: keys, values, an optional mask and optional sink keys.
+With a mask it is :func:`masked_attention`, SDPA with one boolean mask for every head (chapter
+5); without one, every key is visible (a full ring's decode step) or, with ``causal=True``, the
+chunk's own causal mask (a first chunk); with sink keys, the sink columns are scored per query
+(StreamingLLM's convention, see :mod:`ringviz.sinks`). None knows about slots.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
-from ringviz.rope import Rope
-from ringviz.sinks import rotate_sinks
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
@@ -34,7 +31,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     mask = mask[:, None]  # (B, 1, T, Tk): one mask for every head
-    if T == 1:  # decode: (B, n_kv_heads, G, head_dim), the G heads as G query rows
+    if T == 1:  # decode: (B, num_kv_heads, G, head_dim), the G heads as G query rows
         out = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv, D), k, v,
                                              attn_mask=mask, scale=scale)
     else:
@@ -47,7 +44,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return out.view(B, Hq, T, D)  # (B, Hq, T, head_dim)
 
 
-def unmasked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+def _unmasked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                        scale: float | None = None) -> torch.Tensor:
     """Decode queries ``(B, Hq, 1, D)`` over every key: :func:`masked_attention` with a mask
     that is all True, without the mask.
@@ -65,7 +62,7 @@ def unmasked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return out.view(B, Hq, T, D)
 
 
-def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                    sink_keys: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
     """:func:`masked_attention` whose first ``S`` keys are replaced, per query, by ``sink_keys``.
 
@@ -90,18 +87,36 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     return out.view(B, Hq, T, D)
 
 
-def ring_attention(q: torch.Tensor, q_positions: torch.Tensor, keys: torch.Tensor,
-                   values: torch.Tensor, mask: torch.Tensor, *, sinks: int, window: int,
-                   sink_rope: Rope | None, scale: float | None = None,
-                   empty: torch.Tensor | None = None) -> torch.Tensor:
-    """Masked attention over ``keys`` whose first ``sinks`` are sink slots, in their convention.
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
+    """A first chunk's queries over its own keys with SDPA's causal mask, which skips the
+    blocks above the diagonal instead of scoring them against a ``(T, T)`` boolean mask.
 
-    ``sink_rope=None``: plain :func:`masked_attention` (every key at its absolute rotation);
-    a rotation: :func:`sink_attention` with the sink keys turned per query by
-    :func:`ringviz.sinks.rotate_sinks` (StreamingLLM's positions inside the cache). ``empty``
-    ``(B, T)``: the queries known to see nothing (see :func:`masked_attention`).
+    The same kernel and arithmetic as :func:`masked_attention` for a chunk on the CPU, so the
+    same bits (``tests/test_hf_causal.py`` pins it): a masked score adds nothing either way.
     """
-    if sink_rope is None:
-        return masked_attention(q, keys, values, mask, scale=scale, empty=empty)
-    sink_keys = rotate_sinks(keys[:, :, :sinks], q_positions, window, sink_rope)
-    return sink_attention(q, keys, values, mask, sink_keys, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           *, scale: float | None = None, empty: torch.Tensor | None = None,
+           causal: bool = False, sink_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``q`` ``(B, Hq, T, D)`` over ``k``, ``v`` ``(B, Hkv, K, D)``: ``(B, Hq, T, D)``.
+
+    ``mask`` ``(B, T, K)`` bool, shared by every head (:func:`masked_attention`), or None:
+    every key visible (a full ring's decode step; the same bits as an all-True mask on the
+    CPU, ``tests/test_full_ring.py``), or with ``causal=True`` query ``i`` sees keys ``0..i``
+    (a first chunk into an empty ring). ``sink_keys`` ``(B, Hkv, T, S, D)``: the first ``S``
+    columns scored per query with these keys instead (:func:`ringviz.sinks.rotate_sinks`),
+    in one softmax with the rest. ``empty`` ``(B, T)``: queries known to see nothing (padding):
+    their rows come out zeros.
+    """
+    if sink_keys is not None:
+        return _sink_attention(q, k, v, mask, sink_keys, scale=scale)
+    if causal:
+        return _causal_attention(q, k, v, scale)
+    if mask is not None:
+        return masked_attention(q, k, v, mask, scale=scale, empty=empty)
+    out = _unmasked_attention(q, k, v, scale=scale)
+    return out if empty is None else out.masked_fill(empty[:, None, :, None], 0.0)

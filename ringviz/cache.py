@@ -67,7 +67,7 @@ from typing import NamedTuple
 
 import torch
 
-from ringviz.attention import ring_attention, unmasked_attention
+from ringviz.attention import attend
 from ringviz.checks import (
     check_int,
     check_kv,
@@ -80,7 +80,7 @@ from ringviz.checks import (
 )
 from ringviz.masks import band_mask, visible
 from ringviz.rope import Rope
-from ringviz.sinks import sinks_with_chunk
+from ringviz.sinks import rotate_sinks, sinks_with_chunk
 
 _NEVER = torch.iinfo(torch.int64).max  # a position no key reaches
 
@@ -252,10 +252,10 @@ class RingKVCache:
         """The views without the spare slot, and the flat views a decode write copies into
         (one index_copy_ per tensor: cheaper than an advanced-index assignment)."""
         B, H, n1, D = self._k_store.shape
-        self.k = self._k_store[:, :, :self._spare]  # (B, n_kv_heads, S + C, head_dim)
+        self.k = self._k_store[:, :, :self._spare]  # (B, num_kv_heads, S + C, head_dim)
         self.v = self._v_store[:, :, :self._spare]
         self.positions = self._pos_store[:, :self._spare]  # (B, S + C), -1 = empty
-        self._k_rows = self._k_store.view(-1, D)  # (B * n_kv_heads * (S + C + 1), D)
+        self._k_rows = self._k_store.view(-1, D)  # (B * num_kv_heads * (S + C + 1), D)
         self._v_rows = self._v_store.view(-1, D)
         self._head_base = torch.arange(B * H, device=self.device).view(B, H) * n1
         self._pos_base = torch.arange(B, device=self.device) * n1
@@ -479,7 +479,7 @@ class RingKVCache:
             self._v_store.narrow(2, slot, 1).copy_(v)
             self._pos_store.narrow(1, slot, 1).copy_(positions)
             return
-        rows = (self._head_base + slot[:, None]).view(-1)  # (B * n_kv_heads,) storage rows
+        rows = (self._head_base + slot[:, None]).view(-1)  # (B * num_kv_heads,) storage rows
         self._k_rows.index_copy_(0, rows, k.reshape(-1, self.head_dim))
         self._v_rows.index_copy_(0, rows, v.reshape(-1, self.head_dim))
         self._pos_rows.index_copy_(0, self._pos_base + slot, positions.view(-1))
@@ -510,9 +510,10 @@ class RingKVCache:
                     ) -> torch.Tensor:
         """Masked attention over ``keys`` whose first ``S`` are the sink slots, in this cache's
         sink convention (the storage, or :meth:`keys_with_chunk`'s keys; ringviz.hf calls it)."""
-        return ring_attention(q, q_positions, keys, values, mask, sinks=self.sinks,
-                              window=self.window, sink_rope=self.sink_rope, scale=scale,
-                              empty=q_positions < 0)  # a real query always sees itself
+        sink_keys = None if self.sink_rope is None else rotate_sinks(
+            keys[:, :, :self.sinks], q_positions, self.window, self.sink_rope)
+        return attend(q, keys, values, mask, scale=scale, sink_keys=sink_keys,
+                      empty=q_positions < 0)  # a real query always sees itself
 
     def step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
              *, scale: float | None = None, check: bool = True, contiguous: bool = False,
@@ -536,7 +537,7 @@ class RingKVCache:
         if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
             self._write(k, v, positions, told)
             if told.next and mask is None and self.window_full:  # every key in its window
-                return unmasked_attention(q, self.k, self.v, scale=scale)
+                return attend(q, self.k, self.v, scale=scale)
             mask = self._decode_mask(positions) if mask is None else mask  # (B, 1, S + C)
             return self.attend_keys(q, positions, self.k, self.v, mask, scale)
         out = self.attend_chunk(q, k, v, positions, scale=scale, mask=mask)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -57,13 +56,13 @@ def check_tensor(name: str, value: object, device: torch.device) -> torch.Tensor
 
 def check_kv(k: object, v: object, *, batch_size: int, num_kv_heads: int, head_dim: int,
              dtype: torch.dtype, device: torch.device) -> None:
-    """New keys and values for a cache: one shape ``(B, n_kv_heads, T>=1, head_dim)``, its dtype.
+    """New keys and values for a cache: one shape ``(B, num_kv_heads, T>=1, head_dim)``, its dtype.
 
     >>> x = torch.zeros(1, 2, 3, 4)
     >>> check_kv(x, x[:, :1], batch_size=1, num_kv_heads=2, head_dim=4, dtype=x.dtype,
     ...          device=x.device)
     Traceback (most recent call last):
-    ValueError: v must be (B=1, n_kv_heads=2, T>=1, head_dim=4), got (1, 1, 3, 4)
+    ValueError: v must be (B=1, num_kv_heads=2, T>=1, head_dim=4), got (1, 1, 3, 4)
     """
     for name, t in (("k", k), ("v", v)):
         check_tensor(name, t, device)
@@ -71,7 +70,7 @@ def check_kv(k: object, v: object, *, batch_size: int, num_kv_heads: int, head_d
             raise TypeError(f"{name} has dtype {t.dtype}, the cache holds {dtype}")
         if t.ndim != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (batch_size, num_kv_heads,
                                                                      head_dim) or t.shape[2] == 0:
-            raise ValueError(f"{name} must be (B={batch_size}, n_kv_heads={num_kv_heads}, T>=1, "
+            raise ValueError(f"{name} must be (B={batch_size}, num_kv_heads={num_kv_heads}, T>=1, "
                              f"head_dim={head_dim}), got {tuple(t.shape)}")
     if k.shape != v.shape:
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
@@ -89,7 +88,7 @@ def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_d
                          f"got {tuple(q.shape)}")
     if q.shape[1] == 0 or q.shape[1] % num_kv_heads:
         raise ValueError(f"Hq={q.shape[1]} query heads is not a positive multiple of "
-                         f"n_kv_heads={num_kv_heads}")
+                         f"num_kv_heads={num_kv_heads}")
     if q_positions is None:
         return
     if not isinstance(q_positions, torch.Tensor):
@@ -216,17 +215,3 @@ def check_sinks(sinks: object, sink_convention: object) -> int:
     if sink_convention == "cache" and sinks == 0:
         raise ValueError("sink_convention='cache' turns sink keys: it needs sinks >= 1")
     return sinks
-
-
-def sink_convention_from(sink_convention: str, sink_rope: object) -> str:
-    """``sink_convention``, or what the deprecated ``sink_rope=None | "cache"`` said instead."""
-    if sink_rope is None:
-        return sink_convention
-    if sink_rope != "cache":
-        raise ValueError(f"sink_rope (deprecated) must be None or 'cache', got {sink_rope!r}")
-    if sink_convention != "absolute":
-        raise ValueError("pass sink_convention, or the deprecated sink_rope, not both")
-    warnings.warn("sink_rope='cache' is deprecated here: pass sink_convention='cache' (in the "
-                  "core, RingKVCache's sink_rope is the rotation itself)", DeprecationWarning,
-                  stacklevel=3)
-    return "cache"

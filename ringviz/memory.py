@@ -1,6 +1,6 @@
 """KV-cache memory of real model configurations: a growing cache vs a ring per sliding layer.
 
-The arithmetic is one line: every cached token costs ``2 (K and V) * n_kv_heads * head_dim *
+The arithmetic is one line: every cached token costs ``2 (K and V) * num_kv_heads * head_dim *
 dtype_bytes`` per layer. A growing cache multiplies that by the sequence length in every layer;
 a ring multiplies it by the window in each sliding layer, and only full-attention layers still
 grow. Only K and V are counted: the ring's position metadata (one int64 per slot and batch row,
@@ -25,7 +25,7 @@ class KVConfig:
 
     name: str
     n_layers: int  # decoder layers, each with its own K/V cache
-    n_kv_heads: int  # key/value heads (GQA/MQA: fewer than query heads)
+    num_kv_heads: int  # key/value heads (GQA/MQA: fewer than query heads)
     head_dim: int  # channels per head
     dtype_bytes: int  # bytes per cached element (2 for fp16/bf16)
     window: int | None = None  # sliding window W of the local layers; None: no sliding layers
@@ -33,7 +33,7 @@ class KVConfig:
 
     def __post_init__(self) -> None:
         check_int("n_layers", self.n_layers, 1)
-        check_int("n_kv_heads", self.n_kv_heads, 1)
+        check_int("num_kv_heads", self.num_kv_heads, 1)
         check_int("head_dim", self.head_dim, 1)
         if self.dtype_bytes not in DTYPE_BYTES or isinstance(self.dtype_bytes, bool):
             raise ValueError(f"dtype_bytes must be one of {DTYPE_BYTES}, got {self.dtype_bytes!r}")
@@ -53,7 +53,7 @@ class KVConfig:
     @property
     def token_bytes_per_layer(self) -> int:
         """Bytes one token adds to one layer's cache: K and V, every KV head."""
-        return 2 * self.n_kv_heads * self.head_dim * self.dtype_bytes
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def token_bytes(self) -> int:

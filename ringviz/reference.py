@@ -48,7 +48,7 @@ class GrowingKVCache(_KVBuffer):
             check_int(name, value)
         self.batch_size, self.num_kv_heads, self.head_dim = batch_size, num_kv_heads, head_dim
         empty = torch.empty(batch_size, num_kv_heads, 0, head_dim, dtype=dtype, device=device)
-        self.k, self.v = empty, empty.clone()  # (B, n_kv_heads, n, head_dim)
+        self.k, self.v = empty, empty.clone()  # (B, num_kv_heads, n, head_dim)
         self.dtype, self.device = self.k.dtype, self.k.device
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +81,7 @@ class ShiftWindowKVCache(_KVBuffer):
         self.window, self.mode, self.length = window, mode, 0
         n = 0 if mode == "cat" else window  # roll keeps a full-size buffer from the start
         self.k = torch.zeros(batch_size, num_kv_heads, n, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)  # (B, n_kv_heads, n, head_dim)
+        self.v = torch.zeros_like(self.k)  # (B, num_kv_heads, n, head_dim)
         self.dtype, self.device = self.k.dtype, self.k.device
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +120,7 @@ def windowed_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if k.shape[0] != B or k.shape[2] != T or k.shape[3] != D:
         raise ValueError(f"k {tuple(k.shape)} does not match q {tuple(q.shape)}")
     if Hq == 0 or Hq % k.shape[1]:
-        raise ValueError(f"Hq={Hq} is not a positive multiple of n_kv_heads={k.shape[1]}")
+        raise ValueError(f"Hq={Hq} is not a positive multiple of num_kv_heads={k.shape[1]}")
     scale = check_scale(scale)
     if positions.shape != (B, T):
         raise ValueError(f"positions must be (B, T) = {(B, T)}, got {tuple(positions.shape)}")

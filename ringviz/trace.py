@@ -241,7 +241,7 @@ def trace_scenario(scenario: Scenario, *, device: torch.device | str | None = No
     for kind, pos in _steps(scenario):
         T = pos.shape[1]
         q, k, v = torch.randn(3, rows, 1, T, dim, generator=gen,
-                              device=cache.device)  # each (B, n_kv_heads=1, T, head_dim)
+                              device=cache.device)  # each (B, num_kv_heads=1, T, head_dim)
         before = cache.positions.cpu().numpy().copy()  # (B, window)
         cache.step(q, k, v, torch.as_tensor(pos, device=cache.device))
         after = cache.positions.cpu().numpy().copy()  # (B, window)
@@ -287,7 +287,7 @@ def trace_shift(window: int, tokens: int, *, mode: str = "cat",
     frames = [Frame(kind="empty", caption="empty window", positions=before.tolist(), start=[0],
                     written=[[]], evicted=[[]], moved=[0])]
     for pos in range(tokens):
-        k = torch.full((1, 1, 1, 1), pos + 1.0, device=cache.device)  # (B, n_kv_heads, 1, 1)
+        k = torch.full((1, 1, 1, 1), pos + 1.0, device=cache.device)  # (B, num_kv_heads, 1, 1)
         k_win, _ = cache.update(k, k.clone())  # (1, 1, n, 1), oldest first
         held = k_win[0, 0, :, 0].round().long().cpu().numpy() - 1  # (n,)
         after = np.full((1, window), -1, dtype=np.int64)

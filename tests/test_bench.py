@@ -92,7 +92,7 @@ def test_ring_memory_is_constant_and_growing_memory_is_linear(tiny_run):
     growing = [r for r in mem if r["impl"] == "growing"]
     assert ring[-1]["steps"] == TINY.memory_steps and any(r["steps"] == 16 for r in ring)
     assert len({r["cache_bytes"] for r in ring}) == 1
-    token_bytes = 2 * 1 * 1 * 64 * 4  # K and V of one token: B=1, n_kv_heads=1, D=64, float32
+    token_bytes = 2 * 1 * 1 * 64 * 4  # K and V of one token: B=1, num_kv_heads=1, D=64, float32
     assert [r["cache_bytes"] for r in growing] == [r["steps"] * token_bytes for r in growing]
     for r in mem:
         assert r["peak_rss_bytes"] >= r["rss_bytes"] > 0 and r["baseline_rss_bytes"] > 0

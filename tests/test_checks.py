@@ -15,7 +15,6 @@ from ringviz.checks import (
     check_sinks,
     check_tensor,
     missing_positions,
-    sink_convention_from,
 )
 from ringviz.rope import apply_rope
 
@@ -75,7 +74,7 @@ def test_check_query_heads_and_positions():
     q = torch.zeros(2, 6, 4, 8)
     kw = {"batch_size": 2, "num_kv_heads": 3, "head_dim": 8, "dtype": q.dtype, "device": CPU}
     check_query(q, 4, **kw, q_positions=torch.zeros(2, 4, dtype=torch.int64))
-    with pytest.raises(ValueError, match="not a positive multiple of n_kv_heads=3"):
+    with pytest.raises(ValueError, match="not a positive multiple of num_kv_heads=3"):
         check_query(q[:, :4], 4, **kw)
     with pytest.raises(ValueError, match=r"q must be \(B=2, Hq, T=5"):
         check_query(q, 5, **kw)
@@ -125,14 +124,9 @@ def test_check_sink_rope_probes_a_rotation():
         check_sink_rope("cache", 2, 4, torch.float32, CPU)
 
 
-def test_sink_conventions_and_their_deprecated_spelling():
+def test_sink_conventions():
     assert check_sinks(0, "absolute") == 0 and check_sinks(3, "cache") == 3
     with pytest.raises(ValueError, match="sink_convention must be one of"):
         check_sinks(2, None)
     with pytest.raises(ValueError, match="needs sinks >= 1"):
         check_sinks(0, "cache")
-    assert sink_convention_from("cache", None) == "cache"
-    with pytest.warns(DeprecationWarning, match="sink_convention='cache'"):
-        assert sink_convention_from("absolute", "cache") == "cache"
-    with pytest.raises(ValueError, match="not both"):
-        sink_convention_from("cache", "cache")

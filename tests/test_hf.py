@@ -24,6 +24,7 @@ from tiny_models import (  # noqa: E402
 )
 
 from ringviz import attention as core_attention  # noqa: E402
+from ringviz import cache as core_cache  # noqa: E402
 from ringviz import hf  # noqa: E402
 from ringviz.hf import attention  # noqa: E402
 from ringviz.hf import cache as hf_cache  # noqa: E402
@@ -116,18 +117,15 @@ def test_streamer_sees_every_token():
 def test_chunked_prefill_bounds_attention_size(monkeypatch):
     """A 60-token prompt in chunks of 7 through rings of 5: no attention over more than 12 keys."""
     seen, unmasked = [], []
-    real, real_unmasked = core_attention.masked_attention, hf_cache.unmasked_attention
+    real = core_attention.attend
 
-    def spy(q, k, v, mask, **kwargs):
-        seen.append((q.shape[2], k.shape[2]))
+    def spy(q, k, v, mask=None, **kwargs):
+        plain = mask is None and not kwargs.get("causal")
+        (unmasked if plain else seen).append((q.shape[2], k.shape[2]))
         return real(q, k, v, mask, **kwargs)
 
-    def spy_unmasked(q, k, v, **kwargs):
-        unmasked.append((q.shape[2], k.shape[2]))
-        return real_unmasked(q, k, v, **kwargs)
-
-    monkeypatch.setattr(core_attention, "masked_attention", spy)  # every ring layer's attention
-    monkeypatch.setattr(hf_cache, "unmasked_attention", spy_unmasked)
+    for module in (core_cache, hf_cache):  # every ring layer's attention
+        monkeypatch.setattr(module, "attend", spy)
     model = tiny_llama()
     hf.generate(model, prompt(60), window=5, max_new_tokens=3, do_sample=False,
                 prefill_chunk_size=7)

@@ -17,8 +17,8 @@ from test_full_ring import HostReads  # noqa: E402
 from test_hf import prompt, run, tiny_gemma, tiny_llama, tiny_mistral  # noqa: E402
 
 from ringviz import hf  # noqa: E402
-from ringviz.attention import masked_attention  # noqa: E402
-from ringviz.hf.cache import RingCache, causal_attention  # noqa: E402
+from ringviz.attention import attend, masked_attention  # noqa: E402
+from ringviz.hf.cache import RingCache  # noqa: E402
 
 
 @pytest.fixture
@@ -170,4 +170,4 @@ def test_causal_attention_is_the_masked_chunk_attention(dtype, B, Hq, Hkv, T, D)
     v = torch.randn(B, T, Hkv, D, generator=g).to(dtype).transpose(1, 2)
     tril = torch.ones(T, T, dtype=torch.bool).tril().expand(B, T, T)
     masked = masked_attention(q, k, v, tril, scale=0.3, empty=torch.zeros(B, T, dtype=torch.bool))
-    assert torch.equal(causal_attention(q, k, v, 0.3), masked)
+    assert torch.equal(attend(q, k, v, scale=0.3, causal=True), masked)

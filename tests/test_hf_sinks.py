@@ -154,8 +154,6 @@ def test_ring_memory_is_fixed_with_sinks():
     ({"sinks": 2, "sink_convention": None}, ValueError, "sink_convention must be one of"),
     ({"sinks": 2, "sink_convention": lambda x, p: x}, ValueError, "sink_convention must be one of"),
     ({"sink_convention": "cache"}, ValueError, "needs sinks >= 1"),
-    ({"sinks": 2, "sink_rope": "absolute"}, ValueError, r"sink_rope \(deprecated\) must be"),
-    ({"sinks": 2, "sink_rope": "cache", "sink_convention": "cache"}, ValueError, "not both"),
 ])
 def test_bad_sink_arguments_raise_and_change_nothing(kwargs, error, match):
     model = tiny_gemma(dtype=torch.float32)
@@ -182,23 +180,6 @@ def test_a_cache_with_other_sinks_is_refused(kwargs):
     with pytest.raises(ValueError, match="differs from the cache's"):
         hf.generate(model, prompt(8), cache=cache, max_new_tokens=3, **kwargs)
     assert cache.get_seq_length() == 0 and cache.nbytes == 0
-
-
-def test_deprecated_sink_rope_spelling_warns_and_means_the_convention():
-    model, W = make("llama")
-    ids = prompt(12)
-    with pytest.warns(DeprecationWarning, match="sink_convention='cache'"):
-        old = run(hf.generate, model, ids, window=W, sinks=SINKS, sink_rope="cache",
-                  max_new_tokens=6)
-    new = run(hf.generate, model, ids, window=W, sinks=SINKS, sink_convention="cache",
-              max_new_tokens=6)
-    assert torch.equal(old.sequences, new.sequences)
-    with pytest.warns(DeprecationWarning):
-        assert hf.RingCache(model, window=W, sinks=SINKS, sink_rope="cache").sink_convention \
-            == "cache"
-    with pytest.warns(DeprecationWarning):
-        assert RingRunner(model, 1, W, 8, sinks=SINKS, sink_rope="cache").sink_convention \
-            == "cache"
 
 
 # ------------------------------------------------------------------------- the real model

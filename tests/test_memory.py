@@ -70,7 +70,7 @@ def test_ring_cache_bytes_matches_the_ring_slots():
 
     cfg = KVConfig("tiny hybrid", 4, 2, 8, 4, 6, (0, 1, 2))
     batch, seq_len = 3, 10
-    rings = [RingKVCache(batch, cfg.n_kv_heads, cfg.window, cfg.head_dim, dtype=torch.float32)
+    rings = [RingKVCache(batch, cfg.num_kv_heads, cfg.window, cfg.head_dim, dtype=torch.float32)
              for _ in cfg.sliding_layers]
     ring_kv = sum(r.k.numel() * r.k.element_size() + r.v.numel() * r.v.element_size()
                   for r in rings)
@@ -84,9 +84,9 @@ def test_full_cache_bytes_matches_growing_cache_tensors():
 
     torch.manual_seed(123)
     cfg = KVConfig("tiny", 1, 2, 8, 4)
-    cache = GrowingKVCache(2, cfg.n_kv_heads, cfg.head_dim, dtype=torch.float32)
+    cache = GrowingKVCache(2, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32)
     for _ in range(5):
-        k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)  # (B, n_kv_heads, 1, head_dim)
+        k, v = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)  # (B, num_kv_heads, 1, head_dim)
         cache.update(k, v)
     assert cache.nbytes == full_cache_bytes(cfg, 5, batch_size=2)
 
@@ -104,7 +104,7 @@ def test_configs_match_transformers_defaults(model, config_class):
     hf = _transformers_config(config_class)
     cfg = MODELS[model]
     assert cfg.n_layers == hf.num_hidden_layers
-    assert cfg.n_kv_heads == hf.num_key_value_heads
+    assert cfg.num_kv_heads == hf.num_key_value_heads
     assert cfg.head_dim == hf.hidden_size // hf.num_attention_heads
     assert cfg.window == getattr(hf, "sliding_window", None)
 
@@ -129,13 +129,13 @@ def test_smollm2_matches_its_shipped_gguf():
 
     cfg = MODELS["SmolLM2-135M"]
     assert cfg.n_layers == value("llama.block_count")
-    assert cfg.n_kv_heads == value("llama.attention.head_count_kv")
+    assert cfg.num_kv_heads == value("llama.attention.head_count_kv")
     assert cfg.head_dim == value("llama.embedding_length") // value("llama.attention.head_count")
 
 
 @pytest.mark.parametrize(("kwargs", "error"), [
     ({"n_layers": 0}, ValueError),
-    ({"n_kv_heads": 2.0}, TypeError),
+    ({"num_kv_heads": 2.0}, TypeError),
     ({"dtype_bytes": 3}, ValueError),
     ({"dtype_bytes": True}, ValueError),
     ({"window": 0, "sliding_layers": (0,)}, ValueError),
@@ -145,7 +145,7 @@ def test_smollm2_matches_its_shipped_gguf():
     ({"window": 8, "sliding_layers": (4,)}, ValueError),
 ])
 def test_bad_config_raises(kwargs, error):
-    base = {"name": "x", "n_layers": 4, "n_kv_heads": 2, "head_dim": 8, "dtype_bytes": 2}
+    base = {"name": "x", "n_layers": 4, "num_kv_heads": 2, "head_dim": 8, "dtype_bytes": 2}
     with pytest.raises(error):
         KVConfig(**{**base, **kwargs})
 

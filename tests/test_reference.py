@@ -75,7 +75,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="window must be >= 1"):
         ShiftWindowKVCache(1, 1, 0, 2)
     cache = GrowingKVCache(1, 2, 4)
-    with pytest.raises(ValueError, match="n_kv_heads"):
+    with pytest.raises(ValueError, match="num_kv_heads"):
         cache.update(torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4))
     with pytest.raises(TypeError, match="dtype"):
         cache.update(torch.randn(1, 2, 1, 4, dtype=torch.float64),

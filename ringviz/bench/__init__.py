@@ -57,7 +57,7 @@ class BenchConfig:
     mlx_peer: bool = True  # decode_step: mlx-lm's RotatingKVCache beside the ring (CPU)
     profile_windows: tuple[int, ...] = (1024,)  # W for bench="decode_profile" (at decode_batches)
     batch: int = 8  # B (update)
-    kv_heads: int = 8  # n_kv_heads
+    kv_heads: int = 8  # num_kv_heads
     q_heads: int = 8  # Hq (decode_step); a multiple of kv_heads
     head_dim: int = 128  # D
     dtype: str = "float32"

@@ -48,7 +48,7 @@ class Shape:
     """Tensor geometry shared by every impl in one comparison."""
 
     batch: int  # B
-    kv_heads: int  # n_kv_heads
+    kv_heads: int  # num_kv_heads
     q_heads: int  # Hq, a multiple of kv_heads (GQA)
     head_dim: int  # D
     dtype: torch.dtype
@@ -65,16 +65,16 @@ class Shape:
 class Prefill:
     """The window of keys and values every cache starts from (dropped once the caches are full)."""
 
-    k: torch.Tensor  # (B, n_kv_heads, window, head_dim)
-    v: torch.Tensor  # (B, n_kv_heads, window, head_dim)
+    k: torch.Tensor  # (B, num_kv_heads, window, head_dim)
+    v: torch.Tensor  # (B, num_kv_heads, window, head_dim)
 
 
 @dataclass(frozen=True)
 class Token:
     """The new token every decode call feeds in (the same one each call)."""
 
-    k: torch.Tensor  # (B, n_kv_heads, 1, head_dim)
-    v: torch.Tensor  # (B, n_kv_heads, 1, head_dim)
+    k: torch.Tensor  # (B, num_kv_heads, 1, head_dim)
+    v: torch.Tensor  # (B, num_kv_heads, 1, head_dim)
     q: torch.Tensor  # (B, Hq, 1, head_dim)
 
 
@@ -172,7 +172,7 @@ def decode_step(impl: str, shape: Shape, window: int, pre: Prefill,
         shift = _full_shift(shape, window, pre, "cat")
 
         def step() -> torch.Tensor:
-            k_win, v_win = shift.update(tok.k, tok.v)  # (B, n_kv_heads, window, head_dim)
+            k_win, v_win = shift.update(tok.k, tok.v)  # (B, num_kv_heads, window, head_dim)
             return F.scaled_dot_product_attention(tok.q, k_win, v_win, enable_gqa=gqa)
 
         return step

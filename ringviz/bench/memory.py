@@ -94,7 +94,7 @@ def worker(p: dict) -> list[dict]:
     device, dtype = torch.device(p["device"]), getattr(torch, p["dtype"])
     gen = torch.Generator(device=device).manual_seed(123)
     shape = (p["batch"], p["kv_heads"], 1, p["head_dim"])
-    k = torch.randn(shape, generator=gen, dtype=dtype, device=device)  # (B, n_kv_heads, 1, D)
+    k = torch.randn(shape, generator=gen, dtype=dtype, device=device)  # (B, num_kv_heads, 1, D)
     v = torch.randn(shape, generator=gen, dtype=dtype, device=device)
     durations_ns = np.full(p["steps"], -1, dtype=np.int64)  # written now: resident before
     marks = checkpoints(p["steps"], p["window"])

@@ -1,7 +1,7 @@
 """The hooks transformers calls: a mask function and an attention function, one name.
 
 transformers looks both up by the model's attention implementation. :func:`register` puts
-:func:`ring_mask` in ``AttentionMaskInterface`` and :func:`ring_attention` in
+:func:`ring_mask` in ``AttentionMaskInterface`` and :func:`attention_hook` in
 ``AttentionInterface`` under :data:`ATTN_NAME`; :func:`ring_active` switches a model to that name
 for a block and tells the hooks which :class:`~ringviz.hf.cache.RingCache` this call serves.
 
@@ -115,7 +115,7 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     return plan.masks[kind]
 
 
-def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+def attention_hook(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor, scaling: float,
                    dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention hook: the layer's ring step (write, then attend) on its new tokens.
@@ -142,7 +142,7 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
 def register() -> None:
     """Put the mask and attention functions in transformers' registries (idempotent)."""
-    AttentionInterface.register(ATTN_NAME, ring_attention)
+    AttentionInterface.register(ATTN_NAME, attention_hook)
     AttentionMaskInterface.register(ATTN_NAME, ring_mask)
 
 

@@ -22,12 +22,11 @@ import copy
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ringviz.attention import masked_attention, unmasked_attention
+from ringviz.attention import attend
 from ringviz.cache import MakeStep, RingKVCache, step_key_positions
-from ringviz.checks import check_int, check_sinks, sink_convention_from
+from ringviz.checks import check_int, check_sinks
 from ringviz.hf.config import read_layout
 from ringviz.hf.rotary import check_rope, model_sink_rope
 from ringviz.masks import band_mask
@@ -103,28 +102,6 @@ def positions_from_mask(attention_mask: torch.Tensor | None, seen: torch.Tensor 
     mask = attention_mask.to(device=device, dtype=torch.bool)
     positions = mask.long().cumsum(-1)[:, -T:] - 1
     return positions.masked_fill(~mask[:, -T:], -1)
-
-
-def no_mask_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                      scale: float, positions: torch.Tensor, real: bool) -> torch.Tensor:
-    """A decode query over keys it all sees (the plan's decision): no mask; a padding query,
-    unless every token is known real, sees nothing and gets zeros."""
-    out = unmasked_attention(query, keys, values, scale=scale)
-    return out if real else out.masked_fill_((positions < 0)[:, None, :, None], 0.0)
-
-
-def causal_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     scale: float) -> torch.Tensor:
-    """A first chunk's queries ``(B, Hq, T, D)`` over its own ``T`` real keys (the plan's
-    decision): the causal mask, applied by SDPA itself, which skips the blocks above the
-    diagonal instead of scoring them against a ``(T, T)`` boolean mask.
-
-    The same kernel and arithmetic as :func:`~ringviz.attention.masked_attention` for a chunk
-    on the CPU, so the same bits (``tests/test_hf_causal.py`` pins it): a masked score adds
-    nothing to the softmax either way.
-    """
-    return F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
-                                          enable_gqa=query.shape[1] != keys.shape[1])
 
 
 class RowsMixin:
@@ -220,11 +197,12 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         if causal and query.shape[2] == key.shape[2]:
-            out = causal_attention(query, key, value, scale)
+            out = attend(query, key, value, scale=scale, causal=True)
             self.ring.write(key, value, positions, check=False, contiguous=real)
         elif unmasked:
             self.ring.write(key, value, positions, check=False, contiguous=real)
-            out = no_mask_attention(query, self.ring.k, self.ring.v, scale, positions, real)
+            out = attend(query, self.ring.k, self.ring.v, scale=scale,
+                         empty=None if real else positions < 0)
         else:
             out = self.ring.step(query, key, value, positions, scale=scale, check=False,
                                  contiguous=real, mask=mask[:, 0])
@@ -374,11 +352,12 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         self.seen = need
         keys, values = self._k_store[:, :, :need], self._v_store[:, :, :need]
         if causal and query.shape[2] == need:
-            return causal_attention(query, keys, values, scale)
+            return attend(query, keys, values, scale=scale, causal=True)
         if unmasked:
-            return no_mask_attention(query, keys, values, scale, positions, real)
+            return attend(query, keys, values, scale=scale,
+                          empty=None if real else positions < 0)
         empty = positions[:, T - query.shape[2]:] < 0  # the queries' rows (Gemma 4 keeps fewer)
-        return masked_attention(query, keys, values, mask[:, 0], scale=scale, empty=empty)
+        return attend(query, keys, values, mask[:, 0], scale=scale, empty=empty)
 
     def take_rows(self, index: torch.Tensor) -> None:
         """Row ``i`` becomes row ``index[i]`` (the row operations of :class:`RowsMixin`)."""
@@ -470,10 +449,8 @@ class RingCache(Cache):
     """
 
     def __init__(self, model, *, window: int | None = None, sinks: int = 0,
-                 sink_convention: str = "absolute", sink_rope: str | None = None,
+                 sink_convention: str = "absolute",
                  draft: int = 0, ring: Callable[[int], MakeStep] | None = None) -> None:
-        """``sink_rope=None | "cache"``: the deprecated spelling of ``sink_convention``."""
-        sink_convention = sink_convention_from(sink_convention, sink_rope)
         sinks = check_sinks(sinks, sink_convention)
         self.draft = check_int("draft", draft, minimum=0)
         if ring is not None and not callable(ring):

@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
 from ringviz.cache import MakeStep
-from ringviz.checks import check_sinks, sink_convention_from
+from ringviz.checks import check_sinks
 from ringviz.hf.attention import ring_active
 from ringviz.hf.cache import RingCache
 
@@ -178,7 +178,7 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
 
 
 def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None = None,
-             sinks: int = UNSET, sink_convention: str = UNSET, sink_rope: str | None = None,
+             sinks: int = UNSET, sink_convention: str = UNSET,
              ring: Callable[[int], MakeStep] | None = None, **kwargs):
     """``model.generate(input_ids, **kwargs)`` decoded through a :class:`RingCache`.
 
@@ -186,7 +186,7 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
     ``cache=`` passes one, whose settings then serve (one given that differs raises).
     ``sinks=S`` keeps each row's first S tokens in every ring; ``sink_convention="absolute"``
     scores them at their own positions, ``"cache"`` at StreamingLLM's positions inside the cache
-    (:class:`RingCache`; ``sink_rope=None | "cache"`` is its deprecated spelling).
+    (:class:`RingCache`).
     ``ring=factory`` decodes with another ring under every sliding layer (the seam:
     ``factory(window)`` is a make_step), e.g. a pitfall of :mod:`ringviz.conformance.pitfalls`.
 
@@ -199,9 +199,6 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
     the longest draft); full-attention layers grow with the tokens that arrive.
     """
     cache = kwargs.pop("cache", None)
-    if sink_rope is not None:
-        sink_convention = sink_convention_from(
-            "absolute" if sink_convention is UNSET else sink_convention, sink_rope)
     config = _generation_config(model, kwargs)
     _check_call(model, kwargs, config)
     embeds = kwargs.get("inputs_embeds")

@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from ringviz.cache import MakeStep, RingKVCache
-from ringviz.checks import check_int, sink_convention_from
+from ringviz.checks import check_int
 from ringviz.hf.attention import ring_active
 from ringviz.hf.cache import FullLayer, RingCache, RingLayer
 from ringviz.hf.generation import PREFILL_CHUNK
@@ -57,13 +57,10 @@ class RingRunner:
 
     def __init__(self, model, batch_size: int, window: int | None, capacity: int, *,
                  sinks: int = 0, sink_convention: str = "absolute",
-                 sink_rope: str | None = None, ring: Callable[[int], MakeStep] | None = None
-                 ) -> None:
-        """``sink_rope=None | "cache"``: the deprecated spelling of ``sink_convention``."""
+                 ring: Callable[[int], MakeStep] | None = None) -> None:
         self.capacity = check_int("capacity", capacity)
         self.batch_size = check_int("batch_size", batch_size)
         self.model = model
-        sink_convention = sink_convention_from(sink_convention, sink_rope)
         self.cache = RingCache(model, window=window, sinks=sinks,
                                sink_convention=sink_convention, ring=ring)
         self.sinks, self.sink_convention = self.cache.sinks, sink_convention

@@ -40,7 +40,7 @@ def ragged_rows(tokens: torch.Tensor, batch: int, prompt_tokens: int,
 def full_cache_bytes(model, batch: int, length: int) -> int:
     """Bytes of a full (unwindowed) KV cache for ``batch`` rows of ``length`` tokens.
 
-    2 (k and v) x layers x batch x n_kv_heads x length x head_dim x bytes per element.
+    2 (k and v) x layers x batch x num_kv_heads x length x head_dim x bytes per element.
     """
     c = read_layout(model)
     itemsize = next(model.parameters()).element_size()
