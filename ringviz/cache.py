@@ -336,10 +336,11 @@ class RingKVCache:
                     head_dim=self.head_dim, dtype=self.dtype, device=self.device,
                     q_positions=q_positions)
 
-    def check_positions(self, positions: torch.Tensor) -> None:
-        """Raise if ``positions`` (B, T) could not be written next, writing nothing."""
+    def check_positions(self, positions: torch.Tensor) -> bool:
+        """Raise if ``positions`` (B, T) could not be written next, writing nothing; else
+        whether they are one token per row at its next position. One host sync."""
         check_tensor("positions", positions, self.device)
-        check_positions(positions, self._last_pos, positions.shape[-1] if positions.ndim else -1)
+        return self._validated(positions, positions.shape[-1] if positions.ndim else -1).next
 
     def _told(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, check: bool,
               contiguous: bool, q: torch.Tensor | None = None) -> Told:
@@ -423,20 +424,6 @@ class RingKVCache:
         self._write(k, v, positions.to(torch.int64),
                     self._told(k, v, positions, check=check, contiguous=contiguous))
 
-    def _told(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, check: bool,
-              contiguous: bool, q: torch.Tensor | None = None) -> Told:
-        """Validate a call (``check``), or take the caller's word: what it tells the runs."""
-        if not check:  # (under torch.compile, a host int read in the graph would recompile it)
-            vouched = contiguous and not torch.compiler.is_compiling()
-            return self._grown(k.shape[2]) if vouched else Told()
-        told = self._check_kv(k, v, positions)
-        if q is not None:
-            self._check_q(q, k.shape[2])
-        if contiguous and not told.next:
-            raise ValueError("contiguous=True, but some row's positions are not its newest + 1, "
-                             "+ 2, ... (padding or a gap)")
-        return told
-
     def _write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                told: Told) -> None:
         """:meth:`write` of trusted int64 ``positions``, then the runs take what ``told`` says."""
@@ -486,15 +473,20 @@ class RingKVCache:
 
     @property
     def window_full(self) -> bool:
-        """Every row holds its last ``window`` positions, and nothing else.
+        """Every row holds its last ``window`` positions, and nothing else (:meth:`full_after`)."""
+        return self.full_after(0)
 
-        Known on the host, from what the cache was told: then a decode query
-        at each row's next position sees every stored key, and :meth:`step`
-        attends without a mask. Never with sinks, nor with spare slots
-        (``capacity > window``: they hold keys that have left the window).
+    def full_after(self, grow: int) -> bool:
+        """Whether every row holds its last ``window`` positions, and nothing else, once each
+        writes its next ``grow`` positions: then a decode query at each row's next position
+        sees every stored key, and attends without a mask (chapter 9).
+
+        Known on the host, from what the ring was told (:class:`Told`), never read back. Never
+        with sinks, nor with draft slots (``capacity > window``: they hold keys that have left
+        the window). ``ringviz.hf`` asks it before a decode step's write; :meth:`step` after.
         """
         return (not self.sinks and self.capacity == self.window
-                and self._least >= self.capacity)
+                and self._least + grow >= self.capacity)
 
     def attend(self, q: torch.Tensor, q_positions: torch.Tensor, *,
                scale: float | None = None) -> torch.Tensor:

@@ -98,12 +98,13 @@ def test_without_a_mask_the_prompt_is_real_too(monkeypatch, chunks):
         with torch.no_grad(), hf.ring_active(model, cache), HostReads() as mode:
             cache.prompt = told  # (columns, fewest real tokens of a row), as generate tells it
             model(input_ids=prompt(4), cache=cache, attention_mask=torch.ones(1, 4))
-            return mode.count, cache.plan.causal, cache._real_least
+            ring = cache.layers[0].ring  # 4 of its 5 slots: full after one more token
+            return mode.count, cache.plan.causal, (ring.window_full, ring.full_after(1))
 
-    reads, causal, least = prefill((4, 4))
-    assert (causal, least) == (frozenset({"sliding"}), 4)
-    padded_reads, causal, least = prefill((4, 3))  # told it may hold padding: it reads back
-    assert (causal, least) == (frozenset(), 4) and padded_reads > reads
+    reads, causal, full = prefill((4, 4))
+    assert (causal, full) == (frozenset({"sliding"}), (False, True))
+    padded_reads, causal, full = prefill((4, 3))  # told it may hold padding: it reads back
+    assert (causal, full) == (frozenset(), (False, True)) and padded_reads > reads
     chunks.clear()
     fast, masked = generate_both(monkeypatch, model, prompt(4), max_new_tokens=6,
                                  min_new_tokens=6)

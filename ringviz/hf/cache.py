@@ -200,9 +200,13 @@ class RingLayer(RowsMixin, CacheLayerMixin):
             out = attend(query, key, value, scale=scale, causal=True)
             self.ring.write(key, value, positions, check=False, contiguous=real)
         elif unmasked:
-            self.ring.write(key, value, positions, check=False, contiguous=real)
-            out = attend(query, self.ring.k, self.ring.v, scale=scale,
-                         empty=None if real else positions < 0)
+            self.ring.write(key, value, positions, check=False, contiguous=True)
+            out = attend(query, self.ring.k, self.ring.v, scale=scale)
+        elif key.shape[2] > 1 and not real:  # a chunk that may hold padding: attend, then a
+            # validated write, so the ring learns what each row holds (one host read)
+            out = self.ring.attend_chunk(query, key, value, positions, scale=scale,
+                                         mask=mask[:, 0])
+            self.ring.write(key, value, positions)
         else:
             out = self.ring.step(query, key, value, positions, scale=scale, check=False,
                                  contiguous=real, mask=mask[:, 0])
@@ -226,6 +230,11 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         out = self.other(query if factor == 1.0 else query * factor, key, value, positions)
         self.seen.add_(T)
         return out
+
+    def sees_everything(self) -> bool:
+        """Whether a decode step of every row's next token sees every key this layer holds
+        once written: the ring's own :meth:`~ringviz.RingKVCache.full_after`."""
+        return self.make_step is None and self.ring is not None and self.ring.full_after(1)
 
     def take_rows(self, index: torch.Tensor) -> None:
         """Row ``i`` becomes row ``index[i]`` (the row operations of :class:`RowsMixin`)."""
@@ -287,6 +296,7 @@ class FullLayer(RowsMixin, CacheLayerMixin):
     def __init__(self) -> None:
         super().__init__()
         self.seen = 0  # columns given so far (padding included)
+        self.dense = True  # every column so far a real token: slot j holds position j
         self.allocated = 0  # slots per row in storage (the spare slot aside)
         self.reserve = 0  # slots to allocate at first use (RingRunner knows its length)
         self._k_store: torch.Tensor | None = None
@@ -334,6 +344,8 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         B, H, T, D = key.shape
+        if not real and self.dense:  # a chunk's one host read; a decode column may be padding
+            self.dense = T > 1 and bool((positions >= 0).all())
         need = self.seen + T  # positions never pass column indices, so slots stay < need
         if need > self.allocated:
             self._allocate(self.keys[:, :, :self.seen], self.values[:, :, :self.seen],
@@ -354,10 +366,14 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         if causal and query.shape[2] == need:
             return attend(query, keys, values, scale=scale, causal=True)
         if unmasked:
-            return attend(query, keys, values, scale=scale,
-                          empty=None if real else positions < 0)
+            return attend(query, keys, values, scale=scale)
         empty = positions[:, T - query.shape[2]:] < 0  # the queries' rows (Gemma 4 keeps fewer)
         return attend(query, keys, values, mask[:, 0], scale=scale, empty=empty)
+
+    def sees_everything(self) -> bool:
+        """Whether a decode step of every row's next token sees every slot: no row has had
+        padding, so slot ``j`` holds position ``j``."""
+        return self.dense
 
     def take_rows(self, index: torch.Tensor) -> None:
         """Row ``i`` becomes row ``index[i]`` (the row operations of :class:`RowsMixin`)."""
@@ -393,7 +409,7 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         if self._k_store is not None:
             self._k_store.zero_()
             self._v_store.zero_()
-        self.seen = 0
+        self.seen, self.dense = 0, True
 
 
 def check_model(model) -> None:
@@ -482,15 +498,14 @@ class RingCache(Cache):
                                  f"{windows[first]} and {w}")
         self.plan = ForwardPlan()
         self.given_positions: torch.Tensor | None = None  # the next forward's, if set
+        self.given_real = False  # the driver vouches: every row's next position, no padding
         # the configs ring_active switches (found by its first, validated switch)
         self.attention_configs: list | None = None
         self.refused: str | None = None  # why this cache may not be used again, if it may not
         self._checked_kinds: set[str] = set()
-        # What the cache was told, on the host (never read back in a decode step): columns so
-        # far, the fewest real tokens any row has, and generate's prompt (columns, fewest real)
-        # after which every column is a real token (generate appends one per row and step).
+        # what generate told the host: columns so far, and its prompt (columns, fewest real
+        # tokens of a row), after which every column is a real token (one per row and step)
         self._columns = 0
-        self._real_least = 0
         self.prompt: tuple[int, int] | None = None
         self._visible: dict[str, torch.Tensor] = {}  # per kind: its all-True decode mask
 
@@ -608,45 +623,34 @@ class RingCache(Cache):
             seen = self.layers[0].get_seq_length()  # a tensor for a ring layer: no host sync
             positions = positions_from_mask(attention_mask, seen, batch, T, device)
         no_mask = attention_mask is None and self.given_positions is None
-        real, unmasked = self._plan(positions, no_mask)
+        real, unmasked = self._plan(positions, no_mask or self.given_real)
         masks = {kind: self._all_visible(kind, batch, positions.device) if kind in unmasked
                  else self.layers[i].mask(positions) for kind, i in self.kind_layer.items()}
         causal = self._causal(T) if real else frozenset()
         self.plan.fill(positions, masks, unmasked=unmasked, causal=causal, real=real)
         return self.plan
 
-    def _plan(self, positions: torch.Tensor, no_mask: bool) -> tuple[bool, frozenset[str]]:
-        """Count what this forward tells the host; return whether its tokens are all real and
-        the layer kinds whose query sees every key (no mask needed).
+    def _plan(self, positions: torch.Tensor, vouched: bool) -> tuple[bool, frozenset[str]]:
+        """Whether this forward's tokens are all real (each row's next positions), and the
+        layer kinds whose decode query sees every key (no mask needed).
 
-        Every real token of a row takes the next position (``attention_mask.cumsum``), so a
-        ring holds its last W positions once its row has had W real tokens. The host keeps a
-        lower bound of the fewest real tokens of any row: +T for a forward known to be all real
-        (no mask, generate's prompt when no row of it has padding, or a column after it), a
-        prefill chunk's own bound in one host sync (none in a decode step). A decode step then
-        needs no mask in a ring layer once that bound reaches W (no sinks), and in a full layer
-        while no row has had padding.
-        Under torch.compile nothing is counted (a host int read in the graph would recompile
-        it every step): the masks stay, and the compiler fuses them.
+        Real: ``vouched`` (no mask, or a driver that checked), or generate's prompt without
+        padding, or a column after it (generate appends one real token per row and step).
+        A decode step then asks each kind's layer (:meth:`RingLayer.sees_everything`: the
+        ring's own predicate; a full layer: no row has had padding). Under torch.compile
+        nothing is counted (a host int read in the graph would recompile it every step): the
+        masks stay, and the compiler fuses them.
         """
         T = positions.shape[1]
         if torch.compiler.is_compiling():
             return False, frozenset()
         before, self._columns = self._columns, self._columns + T
-        real = no_mask or (self.prompt is not None
+        real = vouched or (self.prompt is not None
                            and (before >= self.prompt[0] or self.prompt[1] == self.prompt[0]))
-        if real:
-            self._real_least += T
-        elif T > 1:  # a chunk's one host sync: the fewest real tokens of a row, at least
-            least = int((positions.amax(dim=1) + 1).min())
-            self._real_least = max(self._real_least, least)
-        if self.prompt is not None and self._columns >= self.prompt[0]:
-            self._real_least = max(self._real_least,
-                                   self.prompt[1] + self._columns - self.prompt[0])
-        if T > 1:
+        if T > 1 or not real:
             return real, frozenset()
         return real, frozenset(kind for kind, i in self.kind_layer.items()
-                               if self._sees_everything(self.layers[i]))
+                               if self.layers[i].sees_everything())
 
     def _causal(self, T: int) -> frozenset[str]:
         """The kinds whose chunk of ``T`` real tokens sees the plain causal mask: a first
@@ -666,22 +670,15 @@ class RingCache(Cache):
                                                     device=device)
         return mask
 
-    def _sees_everything(self, layer: RingLayer | FullLayer) -> bool:
-        """Whether this decode step's query sees every key ``layer`` holds (host counts)."""
-        if isinstance(layer, RingLayer):  # full: every row holds its last W positions
-            return (not layer.sinks and layer.capacity == layer.window
-                    and self._real_least >= layer.window)  # (draft slots hold older keys)
-        return self._real_least >= self._columns  # no row has had padding: slot j holds j
-
     def end_forward(self) -> None:
         """Forget the last forward's plan (a write without a new one is then refused)."""
         self.plan.clear()
-        self.given_positions = None
+        self.given_positions, self.given_real = None, False
 
     def reset(self) -> None:
         """Empty every layer; the host's counts start again."""
         super().reset()
-        self._columns = self._real_least = 0
+        self._columns = 0
         self.refused = None
         self.end_forward()
 
@@ -706,9 +703,7 @@ class RingCache(Cache):
         if n:
             for layer in self.layers:
                 layer.crop(-n)
-            # each row lost at most n real tokens: the host's counts stay lower bounds
             self._columns -= n
-            self._real_least = max(0, self._real_least - n)
 
 
 def check_kv_sharing(config) -> None:

@@ -134,8 +134,8 @@ class RingRunner:
         """
         self._check_call(input_ids, positions)
         ring = self._first_ring()
-        if ring is not None:  # one host read; every ring of the forward then writes trusted
-            ring.check_positions(positions)
+        # one host read; every ring of the forward then writes trusted
+        self.cache.given_real = ring is not None and ring.check_positions(positions)
         self.cache.given_positions = positions
         with ring_active(self.model, self.cache):
             out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache,
