@@ -51,7 +51,7 @@ def _unmasked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
 
     The same packed GQA view and SDPA call, so on the CPU the same bits: torch 2.13's CPU
     kernel gives an all-True boolean mask and no mask the same result
-    (``tests/test_full_ring.py`` pins it). For a full ring's decode step, where every stored
+    (``tests/core/test_full_ring.py`` pins it). For a full ring's decode step, where every stored
     key is inside the query's window (:attr:`ringviz.RingKVCache.window_full`).
     """
     B, Hq, T, D = q.shape
@@ -93,7 +93,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     blocks above the diagonal instead of scoring them against a ``(T, T)`` boolean mask.
 
     The same kernel and arithmetic as :func:`masked_attention` for a chunk on the CPU, so the
-    same bits (``tests/test_hf_causal.py`` pins it): a masked score adds nothing either way.
+    same bits (``tests/hf/test_hf_causal.py`` pins it): a masked score adds nothing either way.
     """
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
@@ -106,7 +106,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
     ``mask`` ``(B, T, K)`` bool, shared by every head (:func:`masked_attention`), or None:
     every key visible (a full ring's decode step; the same bits as an all-True mask on the
-    CPU, ``tests/test_full_ring.py``), or with ``causal=True`` query ``i`` sees keys ``0..i``
+    CPU, ``tests/core/test_full_ring.py``), or with ``causal=True`` query ``i`` sees keys ``0..i``
     (a first chunk into an empty ring). ``sink_keys`` ``(B, Hkv, T, S, D)``: the first ``S``
     columns scored per query with these keys instead (:func:`ringviz.sinks.rotate_sinks`),
     in one softmax with the rest. ``empty`` ``(B, T)``: queries known to see nothing (padding):

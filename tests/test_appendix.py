@@ -5,7 +5,7 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 APPENDIX = ROOT / "book" / "appendix_checklist.md"
-CITED = re.compile(r"`(tests/test_\w+\.py)::(test_\w+)`")
+CITED = re.compile(r"`(tests/(?:\w+/)?test_\w+\.py)::(test_\w+)`")
 
 
 def test_appendix_names_only_existing_tests():

@@ -16,7 +16,7 @@ A stage's time is the difference between two cumulative runs (the stages before 
 more), all timed in the same interleaved blocks as the other benches, with ``attention_only``
 beside them; ``loop`` is the decode loop's own ``pos += 1``. The ``masked`` path is written out
 here from the cache's own pieces (the cache takes it whenever it cannot know the ring is full);
-``tests/test_bench.py`` checks it returns the step's output and state bit for bit.
+``tests/bench/test_bench.py`` checks it returns the step's output and state bit for bit.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What a run shows: the ratios the book quotes, and its three plots (drawn with ringviz.viz).
+"""What a run shows: the ratios the book quotes, and its three plots (drawn with ringviz.book).
 
 Every ratio is computed from the rows of one run (never typed in), so a chapter and the CLI
 quote the same numbers. A ratio whose rows are missing (a tiny test config) is left out.
@@ -148,7 +148,7 @@ def _as_ms(rows: Sequence[dict], bench: str) -> list[dict]:
 
 
 def _plot_bench_latency(rows: Sequence[dict], bench: str, ylabel: str, title: str, ax=None):
-    import ringviz.viz as viz
+    import ringviz.book as viz
 
     ax = viz.plot_latency(_as_ms(rows, bench), group="impl", ax=ax)
     ax.set_yscale("log")
@@ -186,7 +186,7 @@ def plot_sinks_decode(rows: Sequence[dict], ax=None):
 
 def plot_memory(rows: Sequence[dict], ax=None):
     """Cache bytes (solid) and RSS above the worker's baseline (dashed) vs decode steps, MiB."""
-    import ringviz.viz as viz
+    import ringviz.book as viz
 
     mem = [r for r in rows if r["bench"] == "memory"]
     lines = ([{"series": f"{r['impl']}: cache bytes", "steps": r["steps"],
@@ -211,7 +211,7 @@ def save_plots(rows: Sequence[dict], plot_dir: Path, device: str) -> list[Path]:
     """Write the plots this run has rows for as PNGs into ``plot_dir``; their paths."""
     import matplotlib.pyplot as plt
 
-    import ringviz.viz as viz
+    import ringviz.book as viz
 
     viz.set_style()
     plot_dir.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Greedy speculative decoding on a real model whose layers keep their KV in draft rings.
 
-Every sliding layer of the target model gets one :mod:`ringviz.speculative` engine instead of a
+Every sliding layer of the target model gets one :mod:`ringviz.book.speculative` engine instead of a
 plain ``RingKVCache`` (the seam, ``ring=``). The draft is prompt lookup (no model, no cache of
 its own): the ``k`` tokens that followed the latest earlier occurrence of the text's last
 ``ngram`` tokens. One cycle::
@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import torch
 
+from ringviz.book.speculative import DraftRing
 from ringviz.cache import MakeStep, Step
 from ringviz.checks import check_int
 from ringviz.hf.cache import FullLayer
 from ringviz.models.drive import RingRunner
-from ringviz.speculative import DraftRing
 
 
 class DraftRunner(RingRunner):

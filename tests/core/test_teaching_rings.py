@@ -1,0 +1,91 @@
+"""The book's teaching rings (chapters 3, 6, 7, 8) agree with the package's RingKVCache.
+
+Each chapter defines its ring in one notebook cell (by cell id); the test loads that cell's code,
+as the reader retypes it, and runs it side by side with :class:`ringviz.RingKVCache` over the
+schedules the chapter claims it handles: decode only (3), any chunks (6), ragged left-padded
+batches (7), and sinks (8). Padding queries are compared too (both give zeros).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ringviz import RingKVCache
+
+NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
+CELLS = {"Ring": ("03_ring_indexing", "ch03-ring"), "ChunkRing": ("06_prefill", "ch06-ring"),
+         "BatchRing": ("07_batching", "ch07-ring"), "SinkRing": ("08_beyond_one_ring", "ch08-ring")}
+
+
+def cell_source(notebook: str, cell_id: str) -> str:
+    nb = json.loads((NOTEBOOKS / f"{notebook}.ipynb").read_text())
+    (cell,) = [c for c in nb["cells"] if c.get("id") == cell_id]
+    return "".join(cell["source"])
+
+
+def teaching_ring(name: str) -> type:
+    """The class as the chapter defines it (SinkRing needs the BatchRing it extends)."""
+    namespace = {"torch": torch, "F": F}
+    if name == "SinkRing":
+        exec(cell_source(*CELLS["BatchRing"]), namespace)  # noqa: S102 -- the book's own code
+    exec(cell_source(*CELLS[name]), namespace)  # noqa: S102
+    return namespace[name]
+
+
+def unmarked(source: str) -> str:
+    """The code without its ``# NEW`` / ``# CHANGED`` comments (what the next chapter starts from)."""
+    return "\n".join(line.split("  # NEW")[0].split("  # CHANGED")[0] for line in source.split("\n"))
+
+
+@pytest.mark.parametrize("earlier, later", [
+    (("03_ring_indexing", "ch03-ring"), ("06_prefill", "ch06-ring3")),
+    (("06_prefill", "ch06-ring"), ("07_batching", "ch07-ring6")),
+    (("07_batching", "ch07-ring"), ("08_beyond_one_ring", "ch08-ring7"))])
+def test_each_chapter_starts_from_the_previous_ring(earlier, later):
+    """The hidden copy a chapter starts from is the previous chapter's ring, unchanged."""
+    assert cell_source(*later) == unmarked(cell_source(*earlier))
+
+
+def run(step, q, k, v, pos, sizes):
+    outs, t = [], 0
+    for n in sizes:
+        c = slice(t, t + n)
+        outs.append(step(q[:, :, c], k[:, :, c], v[:, :, c], pos[:, c]))
+        t += n
+    return torch.cat(outs, dim=2)
+
+
+def batch(B: int, T: int, offsets: list[int], seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, 4, T, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, 2, T, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, 2, T, 8, generator=gen, dtype=torch.float64)
+    pos = torch.arange(T)[None].repeat(B, 1) - torch.tensor(offsets)[:, None]
+    return q, k, v, pos.clamp_min(-1)
+
+
+DECODE = [[1] * 23]
+CHUNKS = DECODE + [[5, 1, 1, 9, 7], [23], [3, 8, 12], [7, 7, 1, 8]]
+CASES = ([("Ring", 0, False, s) for s in DECODE]  # chapter 3's ring: one token per step
+         + [("ChunkRing", 0, False, s) for s in CHUNKS]
+         + [("BatchRing", 0, True, s) for s in CHUNKS]
+         + [("SinkRing", 2, True, s) for s in CHUNKS])
+
+
+@pytest.mark.parametrize("name, sinks, ragged, sizes", CASES)
+def test_teaching_ring_equals_package(name, sinks, ragged, sizes):
+    W, B = 6, (3 if ragged else 2)
+    offsets = [0, 4, 9][:B] if ragged else [0] * B
+    q, k, v, pos = batch(B, sum(sizes), offsets, seed=len(sizes))
+    cls = teaching_ring(name)
+    ring = cls(B, 2, W, 8, sinks) if sinks else cls(B, 2, W, 8)
+    package = RingKVCache(B, 2, W, 8, sinks=sinks, dtype=torch.float64)
+    got, want = run(ring.step, q, k, v, pos, sizes), run(package.step, q, k, v, pos, sizes)
+    assert (got - want).abs().max().item() < 1e-12
+    assert torch.equal(ring.pos if ring.pos.ndim == 2 else ring.pos.expand(B, -1),
+                       package.positions)
