@@ -37,7 +37,7 @@ def _worker(way: str, model_name: str, window: int, prompt_tokens: int, threads:
     ids = torch.randint(0, model.config.vocab_size, (1, prompt_tokens),
                         generator=torch.Generator().manual_seed(0))  # content does not matter
     positions = torch.arange(prompt_tokens)[None]
-    runner = RingRunner(model, 1, window, capacity=prompt_tokens)
+    runner = RingRunner(model, 1, window, length=prompt_tokens)
     runner.forward(ids[:, :1], positions[:, :1])  # page the (memory-mapped) weights in first
     runner.reset()
     baseline = _status_bytes("VmRSS")

@@ -152,7 +152,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         self.ring: RingKVCache | None = None
         # tokens (columns, padding included) given so far: a 0-d tensor updated in place, so a
         # compiled decode step does not specialise (and recompile) on its value
-        self.seen = torch.zeros((), dtype=torch.int64)
+        self.columns = torch.zeros((), dtype=torch.int64)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
@@ -160,7 +160,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
                                 capacity=self.capacity, dtype=key_states.dtype,
                                 device=key_states.device)
         self.keys, self.values = self.ring.k, self.ring.v
-        self.seen = self.seen.to(key_states.device)
+        self.columns = self.columns.to(key_states.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
@@ -210,7 +210,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         else:
             out = self.ring.step(query, key, value, positions, scale=scale, check=False,
                                  contiguous=real, mask=mask[:, 0])
-        self.seen.add_(key.shape[2])
+        self.columns.add_(key.shape[2])
         return out
 
     def _other_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -224,11 +224,11 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         if self.other is None:
             self.other = self.make_step(batch_size=B, num_heads=query.shape[1], num_kv_heads=H,
                                         head_dim=D)
-            self.seen = self.seen.to(key.device)
+            self.columns = self.columns.to(key.device)
             self.is_initialized = True
         factor = scale * D ** 0.5
         out = self.other(query if factor == 1.0 else query * factor, key, value, positions)
-        self.seen.add_(T)
+        self.columns.add_(T)
         return out
 
     def sees_everything(self) -> bool:
@@ -249,7 +249,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         return self.sinks + self.capacity + (query_length if query_length > 1 else 0), 0
 
     def get_seq_length(self) -> torch.Tensor:
-        return self.seen
+        return self.columns
 
     def get_max_length(self) -> int:
         return self.sinks + self.capacity
@@ -266,7 +266,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
                                       "storage: a crop needs RingCache's rings (draft=K)")
         if n and self.ring is not None:
             self.ring.truncate(self.ring.lengths - n)
-            self.seen.sub_(n)
+            self.columns.sub_(n)
 
     @property
     def nbytes(self) -> int:
@@ -276,7 +276,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         if self.ring is not None:
             self.ring.reset()
         self.other = None  # another ring's step is made afresh
-        self.seen.zero_()
+        self.columns.zero_()
 
 
 class FullLayer(RowsMixin, CacheLayerMixin):
@@ -295,7 +295,7 @@ class FullLayer(RowsMixin, CacheLayerMixin):
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen = 0  # columns given so far (padding included)
+        self.columns = 0  # columns given so far (padding included)
         self.dense = True  # every column so far a real token: slot j holds position j
         self.allocated = 0  # slots per row in storage (the spare slot aside)
         self.reserve = 0  # slots to allocate at first use (RingRunner knows its length)
@@ -326,19 +326,20 @@ class FullLayer(RowsMixin, CacheLayerMixin):
 
     def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool ``(B, 1, T, seen + T)``: slot ``j`` (position ``j``) visible to queries ``>= j``."""
-        slots = torch.arange(self.seen + q_positions.shape[1], device=q_positions.device)
+        slots = torch.arange(self.columns + q_positions.shape[1], device=q_positions.device)
         return band_mask(q_positions, slots, None)[:, None]  # the window rule, no window
 
     def plain_causal(self, T: int) -> bool:
         """Whether a chunk of ``T`` real tokens, stepped now, sees exactly the causal mask:
         the layer holds no column yet, so slot ``j`` will hold the chunk's ``j``-th token."""
-        return self.seen == 0
+        return self.columns == 0
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              positions: torch.Tensor, mask: torch.Tensor, scale: float, *,
              unmasked: bool = False, causal: bool = False, real: bool = False
              ) -> torch.Tensor:
-        """Write ``T`` tokens at slots = their positions, then attend over slots ``0..seen+T-1``
+        """Write ``T`` tokens at slots = their positions, then attend over slots
+        ``0..columns+T-1``
         (``unmasked``: the plan found every slot visible, as no row has had padding;
         ``causal``: a first chunk without padding, :meth:`plain_causal`)."""
         if not self.is_initialized:
@@ -346,11 +347,11 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         B, H, T, D = key.shape
         if not real and self.dense:  # a chunk's one host read; a decode column may be padding
             self.dense = T > 1 and bool((positions >= 0).all())
-        need = self.seen + T  # positions never pass column indices, so slots stay < need
+        need = self.columns + T  # positions never pass column indices, so slots stay < need
         if need > self.allocated:
-            self._allocate(self.keys[:, :, :self.seen], self.values[:, :, :self.seen],
+            self._allocate(self.keys[:, :, :self.columns], self.values[:, :, :self.columns],
                            max(need, 2 * self.allocated))
-        if real and not self.seen:  # a first chunk of real tokens: token j to slot j
+        if real and not self.columns:  # a first chunk of real tokens: token j to slot j
             self._k_store[:, :, :T] = key
             self._v_store[:, :, :T] = value
         else:  # (B, T); the spare slot for padding
@@ -361,7 +362,7 @@ class FullLayer(RowsMixin, CacheLayerMixin):
             else:
                 self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key)
                 self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value)
-        self.seen = need
+        self.columns = need
         keys, values = self._k_store[:, :, :need], self._v_store[:, :, :need]
         if causal and query.shape[2] == need:
             return attend(query, keys, values, scale=scale, causal=True)
@@ -385,17 +386,18 @@ class FullLayer(RowsMixin, CacheLayerMixin):
             self._v_store.copy_(self._v_store.index_select(0, index))
             return
         k, v = self._k_store.index_select(0, index), self._v_store.index_select(0, index)
-        self._allocate(k[:, :, :self.seen], v[:, :, :self.seen], self.allocated)
+        self._allocate(k[:, :, :self.columns], v[:, :, :self.columns], self.allocated)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` columns (their slots are written again)."""
-        self.seen = max(0, self.seen + tokens_to_remove) if tokens_to_remove < 0 else self.seen
+        if tokens_to_remove < 0:
+            self.columns = max(0, self.columns + tokens_to_remove)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+        return self.columns + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.seen
+        return self.columns
 
     def get_max_length(self) -> int:
         return -1
@@ -409,7 +411,7 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         if self._k_store is not None:
             self._k_store.zero_()
             self._v_store.zero_()
-        self.seen, self.dense = 0, True
+        self.columns, self.dense = 0, True
 
 
 def check_model(model) -> None:

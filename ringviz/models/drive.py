@@ -18,7 +18,7 @@ attention function, rings for sliding layers, growing full layers) fed explicit 
 
 so every model ``ringviz.hf`` serves, the runner serves, with the same numbers. Its stores are
 allocated up front: a ring per sliding layer, and per full-attention layer (Gemma 3's 5, 11,
-17) slots for ``capacity`` positions. A position at or past ``capacity`` is refused before any
+17) slots for ``length`` positions. A position at or past ``length`` is refused before any
 layer is written. Prompts are fed in chunks (:meth:`RingRunner.prefill`, default
 :data:`ringviz.hf.PREFILL_CHUNK`, ``generate``'s); the ring is exact for any chunk schedule. A
 forward stopped after some layers wrote (an exception, or Ctrl-C in a notebook) leaves the
@@ -43,7 +43,7 @@ class RingRunner:
     """One model's KV state for a batch of rows: a :class:`ringviz.hf.RingCache`, fed explicit
     positions (teacher forcing, ragged left-padded batches, chunked prefill).
 
-    ``capacity``: the positions the run may reach, ``0 .. capacity-1`` (it sizes the full
+    ``length``: the positions the run may reach, ``0 .. length-1`` (it sizes the full
     layers). ``sinks=S`` keeps each row's first ``S`` positions in every ring beside its window
     (full-attention layers keep everything anyway). ``sink_convention="absolute"`` scores them
     at their own positions; ``"cache"`` uses StreamingLLM's positions inside the cache,
@@ -55,10 +55,10 @@ class RingRunner:
     :mod:`ringviz.conformance.pitfalls`); its layers' ``caches`` entries are then None.
     """
 
-    def __init__(self, model, batch_size: int, window: int | None, capacity: int, *,
+    def __init__(self, model, batch_size: int, window: int | None, length: int, *,
                  sinks: int = 0, sink_convention: str = "absolute",
                  ring: Callable[[int], MakeStep] | None = None) -> None:
-        self.capacity = check_int("capacity", capacity)
+        self.length = check_int("length", length)
         self.batch_size = check_int("batch_size", batch_size)
         self.model = model
         self.cache = RingCache(model, window=window, sinks=sinks,
@@ -66,7 +66,7 @@ class RingRunner:
         self.sinks, self.sink_convention = self.cache.sinks, sink_convention
         self.windows = self.cache.windows
         param = next(model.parameters())
-        self.cache.allocate(self.batch_size, self.capacity, param.dtype, param.device)
+        self.cache.allocate(self.batch_size, self.length, param.dtype, param.device)
         self.caches = [layer.ring if isinstance(layer, RingLayer) else layer
                        for layer in self.cache.layers]
         self.prefill_chunk = PREFILL_CHUNK
@@ -96,8 +96,8 @@ class RingRunner:
 
     def _check_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Refuse a call on a cache an earlier forward left part-way (until :meth:`reset`),
-        mismatched shapes, positions past capacity, and (with full-attention layers, whose slot
-        is the position) positions with gaps."""
+        mismatched shapes, positions past the run's length, and (with full-attention layers,
+        whose slot is the position) positions with gaps."""
         if self.cache.refused is not None:
             raise RuntimeError(f"{self.cache.refused} (or call runner.reset() and feed the "
                                f"sequence again from its start)")
@@ -108,11 +108,11 @@ class RingRunner:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions "
                              f"{tuple(positions.shape)} differ")
         newest = int(positions.max()) if positions.numel() else -1
-        if newest >= self.capacity:
-            raise ValueError(f"position {newest} is at or past the runner's capacity="
-                             f"{self.capacity} (positions 0..{self.capacity - 1}): its full-"
+        if newest >= self.length:
+            raise ValueError(f"position {newest} is at or past the runner's length="
+                             f"{self.length} (positions 0..{self.length - 1}): its full-"
                              f"attention layers would drop tokens; make a RingRunner with a "
-                             f"larger capacity")
+                             f"larger length")
         if self._full and positions.ndim == 2 and positions.shape[0] == self.batch_size:
             real = positions >= 0
             expect = self._next.to(positions.device)[:, None] + real.cumsum(dim=1) - 1
@@ -228,14 +228,14 @@ def ring_generate(runner: RingRunner, prompts: list[torch.Tensor], new_tokens: i
     """Greedy decoding through the ring: each row's ``new_tokens`` next token ids.
 
     The prompts are prefilled in chunks (:meth:`RingRunner.prefill`); the whole run's last
-    position must lie below the runner's capacity, checked before anything is written.
+    position must lie below the runner's length, checked before anything is written.
     """
     new_tokens = check_int("new_tokens", new_tokens)
     ids, positions = left_pad(prompts, pad_id=int(prompts[0][0]))
     last = int(positions[:, -1].max()) + new_tokens - 1
-    if last >= runner.capacity:
+    if last >= runner.length:
         raise ValueError(f"generating {new_tokens} tokens reaches position {last}, at or past "
-                         f"the runner's capacity={runner.capacity}")
+                         f"the runner's length={runner.length}")
     nxt = runner.prefill(ids, positions, chunk=prefill_chunk, last_only=True)[:, -1].argmax(-1)
     out = [nxt]
     pos = positions[:, -1] + 1  # (B,) next absolute position of each row

@@ -73,7 +73,7 @@ def compare_model(lm, tokenizer, *, window: int | None, prompt_tokens: int, new_
                          device=lm.device)
     rows, lengths = ragged_rows(tokens, batch, prompt_tokens, new_tokens)
     with native_window(lm, window) as window:
-        runner = RingRunner(lm, batch, window, capacity=max(len(r) for r in rows))
+        runner = RingRunner(lm, batch, window, length=max(len(r) for r in rows))
         t0 = time.perf_counter()
         ring = ring_logits(runner, rows, lengths, progress=progress)
         t1 = time.perf_counter()

@@ -44,7 +44,7 @@ def band_perplexity(model, ids: torch.Tensor, window: int | None, sinks: int = 0
 
 def ring_check(model, ids: torch.Tensor, window: int, *, progress: bool = False) -> dict:
     """Decode ``ids`` one token at a time through the ring and compare with the band mask."""
-    runner = RingRunner(model, 1, window, capacity=len(ids))
+    runner = RingRunner(model, 1, window, length=len(ids))
     ring = ring_logits(runner, [ids], [1], progress=progress)[0]  # (L, vocab)
     ref = reference_logits(model, ids, window)
     return {"window": window, "sinks": 0, "ring_perplexity": perplexity(ring, ids),

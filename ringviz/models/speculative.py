@@ -35,11 +35,11 @@ class DraftRunner(RingRunner):
     """
 
     def __init__(self, model, engine: type[DraftRing], window: int | None, max_draft: int,
-                 capacity: int, batch_size: int = 1) -> None:
+                 length: int, batch_size: int = 1) -> None:
         self.engine, self.max_draft = engine, check_int("max_draft", max_draft)
         self.engines: list[DraftRing] = []  # one per sliding layer, made at its first step
         self._verifying, self._verified = False, 0
-        super().__init__(model, batch_size, window, capacity, ring=self._engine_ring)
+        super().__init__(model, batch_size, window, length, ring=self._engine_ring)
 
     def _engine_ring(self, window: int) -> MakeStep:
         """The seam's ring factory: a make_step whose step prefills or verifies an engine."""

@@ -43,7 +43,7 @@ def long_tokens(tokenizer, n: int) -> tuple[torch.Tensor, int]:
 def stream_nll(model, ids: torch.Tensor, window: int, sinks: int, convention: str,
                chunk: int = 256) -> torch.Tensor:
     """Per-token loss ``(L-1,)`` of ``ids[1:]``, fed through the ring ``chunk`` tokens a call."""
-    runner = RingRunner(model, 1, window, capacity=len(ids), sinks=sinks,
+    runner = RingRunner(model, 1, window, length=len(ids), sinks=sinks,
                         sink_convention=convention if sinks else "absolute")
     out = []
     for s in range(0, len(ids) - 1, chunk):
@@ -75,13 +75,13 @@ def run_check(name: str, window: int = 8, sinks: int = 4, n: int = 40) -> dict:
     out = {"window": window, "sinks": sinks, "tokens": n}
     with float64_rope_angles(model):
         for conv in SINK_CONVENTIONS:
-            runner = RingRunner(model, 1, window, capacity=n, sinks=sinks,
+            runner = RingRunner(model, 1, window, length=n, sinks=sinks,
                                 sink_convention=conv)
             ring = ring_logits(runner, [ids], [17])[0]
             ref = (reference_logits(model, ids, window, sinks) if conv == "absolute"
                    else streaming_llm_logits(model, ids, window, sinks))
             out[f"{conv}_max_abs_logit_diff"] = float((ring - ref).abs().max())
-    runner = RingRunner(model, 1, window, capacity=n, sinks=sinks, sink_convention="cache")
+    runner = RingRunner(model, 1, window, length=n, sinks=sinks, sink_convention="cache")
     ring = ring_logits(runner, [ids], [17])[0]
     ref = streaming_llm_logits(model, ids, window, sinks)
     out["cache_max_abs_logit_diff_hf_float32_angles"] = float((ring - ref).abs().max())

@@ -171,7 +171,7 @@ def test_full_layer_grows_geometrically_without_a_reserve():
         layer.update(k + p, k)
         out = layer.step(k + 1, k + p, k + p, pos, layer.mask(pos), scale=1.0)
         allocated.add(layer.allocated)
-    assert layer.seen == 100 and layer.keys[0, 0, :100, 0].tolist() == list(range(100))
+    assert layer.columns == 100 and layer.keys[0, 0, :100, 0].tolist() == list(range(100))
     assert allocated == {1, 2, 4, 8, 16, 32, 64, 128}
     assert 0 < float(out.max()) < 99  # the last query averaged over every stored value
 

@@ -196,7 +196,7 @@ def test_a_call_inside_a_call_is_refused(model, reference):
 
 def test_a_runner_left_part_way_is_refused_until_reset(model, reference):
     ids = prompt(12)[0]
-    runner = RingRunner(model, 1, None, capacity=16)
+    runner = RingRunner(model, 1, None, length=16)
     positions = torch.arange(12)[None]
     clean = runner.prefill(ids[None], positions)
     runner.reset()

@@ -29,7 +29,7 @@ EXACT = 1e-10  # float64: the ring and one full forward differ only by summation
 def test_llama_ring_matches_band_mask(device, prompt):
     model, window = tiny_llama(device), 8
     ids = tokens(prompt + 12, device)
-    runner = RingRunner(model, 1, window, capacity=len(ids))
+    runner = RingRunner(model, 1, window, length=len(ids))
     ring = ring_logits(runner, [ids], [prompt])[0]
     ref = reference_logits(model, ids, window)
     assert (ring - ref).abs().max() < EXACT
@@ -40,7 +40,7 @@ def test_llama_ring_matches_band_mask(device, prompt):
 def test_later_switches_set_the_configs_the_first_changed_and_restore(device, make):
     model = make(device)
     ids = tokens(20, device)
-    runner = RingRunner(model, 1, 6, capacity=len(ids))
+    runner = RingRunner(model, 1, 6, length=len(ids))
     first = ring_logits(runner, [ids], [9])[0]
     assert runner.cache.attention_configs == [model.config]  # causal LMs: one config
     runner.reset()
@@ -53,7 +53,7 @@ def test_later_switches_set_the_configs_the_first_changed_and_restore(device, ma
 def test_gemma_ring_matches_hf_native_sliding_window(device):
     model = tiny_gemma(device, window=6)
     ids = tokens(30, device)
-    runner = RingRunner(model, 1, None, capacity=len(ids))
+    runner = RingRunner(model, 1, None, length=len(ids))
     assert runner.windows == [6, None, 6]
     assert runner.caches[1].allocated == 30  # the full layer holds every position, never regrown
     ring = ring_logits(runner, [ids], [11])[0]
@@ -64,7 +64,7 @@ def test_ragged_batch_rows_match_their_own_references(device):
     model, window = tiny_llama(device), 5
     rows, lengths = ragged_rows(tokens(60, device), batch=3, prompt_tokens=12, new_tokens=9)
     assert lengths == [12, 10, 8]
-    ring = ring_logits(RingRunner(model, 3, window, capacity=21), rows, lengths)
+    ring = ring_logits(RingRunner(model, 3, window, length=21), rows, lengths)
     result = compare(ring, [reference_logits(model, r, window) for r in rows])
     assert result["compared_positions"] == sum(len(r) for r in rows)
     assert result["max_abs_logit_diff"] < EXACT and result["argmax_agreement"] == 1.0
@@ -73,7 +73,7 @@ def test_ragged_batch_rows_match_their_own_references(device):
 def test_greedy_generation_equals_reference(device):
     model, window = tiny_llama(device), 4
     prompt = tokens(9, device)
-    ring = ring_generate(RingRunner(model, 1, window, capacity=30), [prompt], 12)[0]
+    ring = ring_generate(RingRunner(model, 1, window, length=30), [prompt], 12)[0]
     assert torch.equal(ring, reference_greedy(model, prompt, 12, window))
 
 
@@ -165,27 +165,27 @@ def runner_hash(runner) -> str:
     digest = hashlib.sha256()
     for c in runner.caches:  # a ring's stores, or a full layer's (slot = position)
         stores = (c._k_store, c._v_store, c._pos_store, c._last_pos) if hasattr(c, "_pos_store") \
-            else (c._k_store, c._v_store, torch.tensor(c.seen))
+            else (c._k_store, c._v_store, torch.tensor(c.columns))
         for t in stores:
             digest.update(t.cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
 
 
-def test_position_past_capacity_refused_before_any_layer_writes(device):
+def test_position_past_the_length_refused_before_any_layer_writes(device):
     model = tiny_gemma(device, window=6)
     ids = tokens(30, device)
-    runner = RingRunner(model, 1, None, capacity=12)
+    runner = RingRunner(model, 1, None, length=12)
     ring_logits(runner, [ids[:12]], [8])  # positions 0..11 fit
     before = runner_hash(runner)
-    with pytest.raises(ValueError, match="position 12 is at or past the runner's capacity=12"):
+    with pytest.raises(ValueError, match="position 12 is at or past the runner's length=12"):
         runner.forward(ids[None, 12:13], torch.tensor([[12]], device=device))
     assert runner_hash(runner) == before
-    with pytest.raises(ValueError, match="capacity=12"):
-        ring_logits(RingRunner(model, 1, None, capacity=12), [ids], [11])
-    fresh = RingRunner(model, 1, None, capacity=5)
-    with pytest.raises(ValueError, match="capacity=5"):
+    with pytest.raises(ValueError, match="length=12"):
+        ring_logits(RingRunner(model, 1, None, length=12), [ids], [11])
+    fresh = RingRunner(model, 1, None, length=5)
+    with pytest.raises(ValueError, match="length=5"):
         ring_generate(fresh, [ids[:3]], 4)  # would feed positions up to 5
-    assert all(int(layer.seen) == 0 for layer in fresh.cache.layers)  # nothing written
+    assert all(int(layer.columns) == 0 for layer in fresh.cache.layers)  # nothing written
     assert all(int(c.positions.max()) == -1 for c in fresh.caches if hasattr(c, "positions"))
 
 
@@ -196,15 +196,15 @@ class Interrupt(KeyboardInterrupt):
 def test_interrupted_forward_refuses_until_reset_then_equals_clean_run(device, monkeypatch):
     model = tiny_gemma(device, window=6)
     ids = tokens(12, device)
-    clean = ring_logits(RingRunner(model, 1, None, capacity=12), [ids], [8])[0]
-    runner = RingRunner(model, 1, None, capacity=12)
+    clean = ring_logits(RingRunner(model, 1, None, length=12), [ids], [8])[0]
+    runner = RingRunner(model, 1, None, length=12)
     runner.prefill(ids[None, :8], torch.arange(8, device=device)[None])
     layer1 = runner.caches[1]
     monkeypatch.setattr(layer1, "step", lambda *a, **k: (_ for _ in ()).throw(Interrupt()))
     with pytest.raises(Interrupt):  # Ctrl-C in layer 1: layer 0 already holds position 8
         runner.forward(ids[None, 8:9], torch.tensor([[8]], device=device))
     monkeypatch.undo()
-    assert int(runner.caches[0]._last_pos) == 8 and layer1.seen == 8  # 0..7, not 8
+    assert int(runner.caches[0]._last_pos) == 8 and layer1.columns == 8  # 0..7, not 8
     for pos in (8, 9):  # neither the retry nor the next position is silently decoded
         with pytest.raises(RuntimeError, match=r"cannot be used again.*runner.reset\(\)"):
             runner.forward(ids[None, pos:pos + 1], torch.tensor([[pos]], device=device))
@@ -215,7 +215,7 @@ def test_interrupted_forward_refuses_until_reset_then_equals_clean_run(device, m
 def test_refused_input_does_not_refuse_the_runner(device):
     model = tiny_llama(device)
     ids = tokens(10, device)
-    runner = RingRunner(model, 1, 4, capacity=10)
+    runner = RingRunner(model, 1, 4, length=10)
     runner.prefill(ids[None, :5], torch.arange(5, device=device)[None])
     before = runner_hash(runner)
     with pytest.raises(ValueError, match="not after the row's cached positions"):
@@ -229,8 +229,8 @@ def test_refused_input_does_not_refuse_the_runner(device):
 def test_chunked_prefill_equals_one_call(device, make, chunk):
     model = make(device)
     rows, lengths = ragged_rows(tokens(80, device), batch=3, prompt_tokens=21, new_tokens=4)
-    one = ring_logits(RingRunner(model, 3, 6, capacity=25), rows, lengths, prefill_chunk=21)
-    chunked = ring_logits(RingRunner(model, 3, 6, capacity=25), rows, lengths,
+    one = ring_logits(RingRunner(model, 3, 6, length=25), rows, lengths, prefill_chunk=21)
+    chunked = ring_logits(RingRunner(model, 3, 6, length=25), rows, lengths,
                           prefill_chunk=chunk)
     for a, b in zip(one, chunked):
         assert (a - b).abs().max() < 1e-12  # float64: summation order only
@@ -239,12 +239,12 @@ def test_chunked_prefill_equals_one_call(device, make, chunk):
 def test_prefill_default_chunk_and_last_only(device):
     model = tiny_gemma(device, window=6)
     ids = tokens(20, device)
-    runner = RingRunner(model, 1, None, capacity=20)
+    runner = RingRunner(model, 1, None, length=20)
     assert runner.prefill_chunk == PREFILL_CHUNK  # generate's: one prefill default
     pos = torch.arange(20, device=device)[None]
     last = runner.prefill(ids[None], pos, last_only=True)
     assert last.shape == (1, 1, model.config.vocab_size)
-    full = RingRunner(model, 1, None, capacity=20).prefill(ids[None], pos)
+    full = RingRunner(model, 1, None, length=20).prefill(ids[None], pos)
     assert (last[0, 0] - full[0, -1]).abs().max() < 1e-12
     with pytest.raises(ValueError, match="chunk must be >= 1"):
         runner.prefill(ids[None], pos, chunk=0)
@@ -253,7 +253,7 @@ def test_prefill_default_chunk_and_last_only(device):
 def test_chunked_prefill_checks_the_whole_prompt_first(device):
     model = tiny_llama(device)
     ids = tokens(12, device)
-    runner = RingRunner(model, 1, 4, capacity=12)
+    runner = RingRunner(model, 1, 4, length=12)
     before = runner_hash(runner)
     bad = torch.tensor([list(range(8)) + [7, 8, 9, 10]], device=device)  # repeat in chunk 3
     with pytest.raises(ValueError, match="strictly increase"):
@@ -287,7 +287,7 @@ def test_ring_runner_serves_every_family_ringviz_hf_serves(family):
                       prefill_chunk_size=4, output_logits=True, return_dict_in_generate=True,
                       pad_token_id=0)
     seq, new = out.sequences[0], out.sequences.shape[1] - len(ids)  # 9, or fewer at an EOS
-    runner = RingRunner(model, 1, window, capacity=len(seq))
+    runner = RingRunner(model, 1, window, length=len(seq))
     ring = ring_logits(runner, [seq], [len(ids)], prefill_chunk=4)[0]
     assert (ring - reference_logits(model, seq, window)).abs().max() < EXACT
     generated = torch.stack([step[0] for step in out.logits])  # float32 in generate's output

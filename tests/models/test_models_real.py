@@ -129,7 +129,7 @@ def test_float64_sinks_both_conventions_exact(name, window, n):
     sinks, prompt = 4, 17  # a prefill past S + W, then decode
     with float64_rope_angles(model):
         for sink_convention in ("absolute", "cache"):
-            runner = RingRunner(model, 1, window, capacity=n, sinks=sinks, sink_convention=sink_convention)
+            runner = RingRunner(model, 1, window, length=n, sinks=sinks, sink_convention=sink_convention)
             ring = ring_logits(runner, [ids], [prompt], prefill_chunk=6)[0]
             ref = (reference_logits(model, ids, window, sinks) if sink_convention == "absolute"
                    else streaming_llm_logits(model, ids, window, sinks))

@@ -26,7 +26,7 @@ EXACT = 1e-10
 
 
 def run_ring(model, ids, window, sinks, sink_convention, prompt):
-    runner = RingRunner(model, 1, window, capacity=len(ids), sinks=sinks,
+    runner = RingRunner(model, 1, window, length=len(ids), sinks=sinks,
                         sink_convention=sink_convention)
     return ring_logits(runner, [ids], [prompt], prefill_chunk=5)[0], runner
 
@@ -80,7 +80,7 @@ def test_ragged_padded_batch_with_sinks(device):
     rows = [tokens(26, device), tokens(21, device, offset=1)]
     with float64_rope_angles(model):
         for sink_convention in ("absolute", "cache"):
-            runner = RingRunner(model, 2, window, capacity=26, sinks=sinks, sink_convention=sink_convention)
+            runner = RingRunner(model, 2, window, length=26, sinks=sinks, sink_convention=sink_convention)
             got = ring_logits(runner, rows, [14, 9])
             for row, logits in zip(rows, got, strict=True):
                 ref = (reference_logits(model, row, window, sinks) if sink_convention == "absolute"
@@ -100,7 +100,7 @@ def test_gemma_sinks_rotate_with_the_local_base(device):
     # HF keeps inv_freq in float32: ~4e-6 off at position 900, far from the global base's gap
     assert (got - apply_rope(x, pos, theta=local)).abs().max() < 1e-4
     assert (got - apply_rope(x, pos, theta=glob)).abs().max() > 1e-2
-    runner = RingRunner(model, 1, None, capacity=40, sinks=2, sink_convention="cache")
+    runner = RingRunner(model, 1, None, length=40, sinks=2, sink_convention="cache")
     assert [getattr(c, "sinks", None) for c in runner.caches] == [2, None, 2]
     assert isinstance(runner.caches[1], FullLayer)  # the full layer keeps everything
 
@@ -113,7 +113,7 @@ def test_gemma_sinks_rotate_with_the_local_base(device):
 ])
 def test_runner_rejects_bad_sinks(device, kwargs, error):
     with pytest.raises(error):
-        RingRunner(tiny_llama(device), 1, 6, capacity=10, **kwargs)
+        RingRunner(tiny_llama(device), 1, 6, length=10, **kwargs)
 
 
 def test_stream_nll_equals_the_references(device):

@@ -26,7 +26,7 @@ def oracle(model, prompt, window, new, k):
 
 
 def run(model, engine, prompt, window, k=4, new=24):
-    runner = DraftRunner(model, engine, window, k, capacity=len(prompt) + new + k + 1)
+    runner = DraftRunner(model, engine, window, k, length=len(prompt) + new + k + 1)
     out, logits, kept = speculative_generate(runner, prompt, new,
                                              draft=oracle(model, prompt, window, new, k))
     ref = reference_logits(model, torch.cat([prompt, out[:-1]]), window)
@@ -61,13 +61,13 @@ def test_naive_ring_gets_the_target_logits_wrong(device):
 
 def test_bad_calls():
     model = tiny_llama("cpu")
-    runner = DraftRunner(model, SpareSlotsRing, 6, 2, capacity=40, batch_size=2)
+    runner = DraftRunner(model, SpareSlotsRing, 6, 2, length=40, batch_size=2)
     with pytest.raises(ValueError, match="decodes one row"):
         speculative_generate(runner, tokens(5, "cpu"), 4)
-    one = DraftRunner(model, SpareSlotsRing, 6, 2, capacity=40)
+    one = DraftRunner(model, SpareSlotsRing, 6, 2, length=40)
     with pytest.raises(ValueError, match="draft proposed 1 tokens, not k = 2"):
         speculative_generate(one, tokens(5, "cpu"), 4, draft=lambda seq, k: [0])
-    runner = DraftRunner(model, SpareSlotsRing, 6, 2, capacity=40)
+    runner = DraftRunner(model, SpareSlotsRing, 6, 2, length=40)
     runner.forward(tokens(5, "cpu")[None], torch.arange(5)[None])
     with pytest.raises(ValueError, match="at most max_draft \\+ 1 = 3 tokens"):
         runner.verify(tokens(4, "cpu")[None], torch.arange(5, 9)[None])
