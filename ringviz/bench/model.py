@@ -71,7 +71,7 @@ def model_rows(*, name: str = "gemma3", prompt_tokens: int, new_tokens: int,
     model, tokenizer = load_model(name, device=device)
     ids = eval_tokens(tokenizer, prompt_tokens, device=device)[None]  # (1, P)
     runner = RingRunner(model, batch_size=1, window=None,
-                        capacity=prompt_tokens + new_tokens)
+                        length=prompt_tokens + new_tokens)
     paths = {"ring": _ring_decode(runner, ids), "hf_default": _hf_decode(model, ids)}
     tokens = {impl: [int(path[0].argmax(-1))] for impl, path in paths.items()}
     seconds: dict[str, list[float]] = {impl: [] for impl in paths}
