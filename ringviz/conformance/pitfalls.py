@@ -17,7 +17,7 @@ padding_in_slots   padding counted as tokens, taking slots (ch. 7; mlx-lm #439) 
 shared_ring        the rows of a batch take turns in one ring (ch. 7)            window
 sinks_overwritten  sinks kept by the mask, not by the storage (mlx-lm #1631)     window
 slot_rope          keys turned again, to their slot ``pos % W`` (ch. 4)          values
-double_rope        keys the model turned turned again by ``pos`` (ch. 4)         values
+double_rope        keys the model turned, turned again by ``pos`` (ch. 4)        values
 one_base           local layers turned with the global RoPE base (ch. 4)         values
 batch_counter      one decode position for a left-padded batch (ch. 4)           window
 =================  ============================================================  ======
@@ -296,7 +296,8 @@ PITFALLS: dict[str, Pitfall] = {
     "sinks_overwritten": Pitfall("sinks kept by the mask, overwritten in the ring",
                                  sinks_overwritten, "window", sinks=2),
     "slot_rope": Pitfall("keys turned again, to their slot pos % W", slot_rope, "values"),
-    "double_rope": Pitfall("keys the model turned turned again by pos", double_rope, "values"),
+    "double_rope": Pitfall("keys the model already turned, turned again by pos", double_rope,
+                           "values"),
     "one_base": Pitfall("local layers turned with the global RoPE base", one_base, "values"),
     "batch_counter": Pitfall("one decode position for a left-padded batch", batch_counter,
                              "window", batch_size=2, ragged=True),
