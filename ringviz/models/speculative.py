@@ -55,6 +55,12 @@ class DraftRunner(RingRunner):
 
         return make_step
 
+    def reset(self) -> None:
+        """Empty every layer; each sliding layer makes a fresh engine at its next step."""
+        super().reset()
+        self.engines.clear()
+        self._verifying, self._verified = False, 0
+
     def verify(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` of a draft chunk; every layer then waits for a commit."""
         self._verifying = True

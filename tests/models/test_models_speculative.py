@@ -74,3 +74,15 @@ def test_bad_calls():
     assert all(ring.lengths.tolist() == [5] for ring in runner.engines)  # nothing changed
     with pytest.raises(ValueError, match="commit\\(\\) needs a verify\\(\\) first"):
         runner.commit(torch.tensor([1]))
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma])
+def test_a_reset_runner_decodes_as_a_fresh_one(make):
+    model, prompt, k, new = make("cpu"), tokens(14, "cpu"), 3, 12
+    runner = DraftRunner(model, SpareSlotsRing, 6, k, length=len(prompt) + new + k + 1)
+    draft = oracle(model, prompt, 6, new, k)
+    first = speculative_generate(runner, prompt, new, draft=draft)
+    runner.reset()  # the engines go with the layers they served: the next run makes new ones
+    again = speculative_generate(runner, prompt, new, draft=draft)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert first[2] == again[2] and len(runner.engines) == sum(w is not None for w in runner.windows)
