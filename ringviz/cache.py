@@ -244,8 +244,7 @@ class RingKVCache:
         # what the host knows (Told): each row's run at the last look, tokens every row has
         # grown by since, the smallest run and the rows' newest positions (host values)
         self._runs = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
-        self._runs_known, self._runs_since = False, 0
-        self._least, self._newest = 0, [-1] * batch_size
+        self._commit(Told(newest=[-1] * batch_size))  # every row empty, as reset() leaves it
 
     # ------------------------------------------------------------------ storage
     def _views(self) -> None:

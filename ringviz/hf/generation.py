@@ -90,16 +90,16 @@ def check_mask_holes(cache: RingCache, mask: torch.Tensor | None) -> None:
                          f"would differ; pad on the left only (window {cache.window})")
 
 
-def check_continuation(cache: RingCache, length: int, batch: int,
+def check_continuation(cache: RingCache, seen: int, length: int, batch: int,
                        mask: torch.Tensor | None) -> None:
     """Raise unless a call of ``length`` columns (``batch`` rows) continues what ``cache`` holds.
 
-    ``cache`` holds the first ``seen`` columns of the conversation; the call must give them
+    ``cache`` holds the first ``seen`` columns of the conversation (its
+    :meth:`~RingCache.seen_columns`); the call must give them
     again (``input_ids`` or ``inputs_embeds``, Hugging Face's convention) plus at least one new
     column, in as many rows, with a mask whose first ``seen`` columns count each row's cached
     tokens (the same padding as before).
     """
-    seen = cache.seen_columns()
     if seen == 0:
         return
     held = cache.row_tokens()
@@ -220,8 +220,9 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
     mask = effective_attention_mask(input_ids if embeds is None else None,
                                     kwargs.get("attention_mask"), config)
     check_mask_holes(cache, mask)
+    before = cache.seen_columns()  # raises for a cache a failed call left refused
     if source is not None:
-        check_continuation(cache, source.shape[1], source.shape[0], mask)
+        check_continuation(cache, before, source.shape[1], source.shape[0], mask)
     if embeds is not None and config.prefill_chunk_size is not None:
         raise ValueError("inputs_embeds are prefilled in one pass: Hugging Face's chunked "
                          "prefill splits input_ids only; leave prefill_chunk_size out")
@@ -233,7 +234,6 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
         # (columns, fewest real tokens of a row): no mask is an all-ones one
         columns = source.shape[1]
         cache.prompt = (columns, columns if mask is None else int(mask.sum(-1).min()))
-    before = cache.seen_columns()
     try:
         with ring_active(model, cache):
             return model.generate(input_ids, cache=cache, **kwargs)

@@ -83,11 +83,8 @@ class RingRunner:
 
     def reset(self) -> None:
         """Empty every layer's store: the way back after an interrupted forward."""
-        for store in (*self.cache.layers, *self.caches):
-            if store is not None:
-                store.reset()
+        self.cache.reset()  # every layer (a ring layer resets its ring) and the refusal
         self._next.zero_()
-        self.cache.refused = None
 
     @property
     def nbytes(self) -> int:
