@@ -18,6 +18,13 @@
  * @typedef {{name: string, label: string, values: string[]}} Param
  */
 
+// Keys: Left/Right step and Home/End jump to the first/last step, Space plays. The arrows need no
+// click: pressed anywhere on the page they step the stepper most on screen, unless a text field,
+// a drop-down or another control that uses the arrow keys has focus. Inside a stepper its own
+// drop-down keeps Up/Down (they change its value) and gives Left/Right to the stepper; its slider
+// keeps every key (they move the slider, which steps). Home/End act on the stepper that has focus
+// (an arrow press or a click gives it focus), so elsewhere on the page they still scroll.
+
 const SVG = "http://www.w3.org/2000/svg";
 const STATE = { v: "visible", s: "stale", f: "future", e: "empty", k: "sink" };
 const SINK_GAP = 18;  // px between the sink slots and the ring
@@ -277,10 +284,59 @@ function draw(model, parts) {
   }
 }
 
+/** Every stepper on the page, across module instances (each widget may load its own copy). */
+function registry() {
+  const g = /** @type {any} */ (globalThis);
+  if (!g.__ringvizSteppers) {
+    g.__ringvizSteppers = new Set();
+    document.addEventListener("keydown", (e) => onPageKey(e, g.__ringvizSteppers));
+  }
+  return /** @type {Set<{root: HTMLElement, key: (e: KeyboardEvent, focused: boolean) => boolean}>} */ (g.__ringvizSteppers);
+}
+
+/** Elements whose own arrow keys a page-wide handler must leave alone. */
+function usesArrows(/** @type {Element | null} */ node) {
+  if (!node || !(node instanceof HTMLElement)) return false;
+  if (node.isContentEditable) return true;
+  if (node instanceof HTMLSelectElement || node instanceof HTMLTextAreaElement) return true;
+  if (node instanceof HTMLInputElement) return !["button", "submit", "reset", "checkbox", "radio"].includes(node.type);
+  const role = node.getAttribute("role") || "";
+  return ["textbox", "combobox", "listbox", "slider", "spinbutton", "menu", "menubar", "tablist", "tree", "grid", "radiogroup"].includes(role);
+}
+
+/** Pixels of an element inside the viewport (0: off screen). */
+function onScreen(/** @type {HTMLElement} */ node) {
+  const r = node.getBoundingClientRect();
+  const h = Math.min(r.bottom, window.innerHeight) - Math.max(r.top, 0);
+  const w = Math.min(r.right, window.innerWidth) - Math.max(r.left, 0);
+  return h > 0 && w > 0 ? h * w : 0;
+}
+
+const MIN_VISIBLE = 40 * 200;  // px²: a sliver at the window's edge does not take the keys
+
+function onPageKey(/** @type {KeyboardEvent} */ e, steppers) {
+  if (e.defaultPrevented || e.altKey || e.ctrlKey || e.metaKey) return;
+  const focused = document.activeElement;
+  let target = [...steppers].find((s) => s.root.contains(/** @type {Node} */ (e.target)));
+  if (target && onScreen(target.root) >= MIN_VISIBLE) {
+    if (target.key(e, true)) e.preventDefault();
+    return;
+  }
+  // not in a stepper on screen: only the arrows, only when nothing else wants them
+  if (!(e.key === "ArrowLeft" || e.key === "ArrowRight") || usesArrows(focused)) return;
+  target = [...steppers].map((s) => [onScreen(s.root), s]).filter(([a]) => a >= MIN_VISIBLE)
+    .sort((a, b) => b[0] - a[0]).map(([, s]) => s)[0];
+  if (target && target.key(e, false)) {
+    e.preventDefault();
+    target.root.focus({ preventScroll: true });  // Home/End and Space now reach it; outline shows which
+  }
+}
+
 function render({ model, el: host }) {
   const root = document.createElement("div");
   root.className = "ringviz-stepper";
   root.tabIndex = 0;
+  root.setAttribute("aria-keyshortcuts", "ArrowLeft ArrowRight Home End Space");
   /** @type {Param[]} */
   const params = model.get("params");
   const settings = document.createElement("div");
@@ -324,8 +380,13 @@ function render({ model, el: host }) {
   arithmetic.className = "ringviz-arithmetic";
   const svg = document.createElementNS(SVG, "svg");
   svg.setAttribute("role", "img");
+  const keys = document.createElement("div");
+  keys.className = "ringviz-keys";
+  keys.innerHTML = "Keys: <kbd>←</kbd> <kbd>→</kbd> previous / next step (no click needed while the "
+    + "stepper is on screen) · <kbd>Home</kbd> <kbd>End</kbd> first / last step · <kbd>Space</kbd> "
+    + "play / pause" + (params.length ? " · <kbd>↑</kbd> <kbd>↓</kbd> change a focused drop-down" : "");
   if (params.length) root.append(settings);
-  root.append(bar, caption, arithmetic, svg);
+  root.append(bar, caption, arithmetic, svg, keys);
   host.appendChild(root);
 
   const count = () => model.get("views")[model.get("choice")].frames.length;
@@ -361,14 +422,20 @@ function render({ model, el: host }) {
   play.addEventListener("click", toggle);
   slider.addEventListener("input", () => { stop(); go(Number(slider.value)); });
   selects.forEach((s) => s.addEventListener("change", () => { stop(); pick(); }));
-  root.addEventListener("keydown", (e) => {
-    if (e.target instanceof HTMLSelectElement) return;  // arrows change the drop-down there
+  /** One key for this stepper; true when it was used. ``focused``: the key came from inside it. */
+  const key = (/** @type {KeyboardEvent} */ e, focused) => {
+    const on = e.target;
+    if (on instanceof HTMLInputElement) return false;  // the slider: its own keys move it
     const moves = { ArrowLeft: -1, ArrowRight: 1 };
-    if (e.key in moves) { stop(); go(model.get("frame") + moves[e.key]); }
-    else if (e.key === " ") toggle();
-    else return;
-    e.preventDefault();
-  });
+    if (e.key in moves) { stop(); go(model.get("frame") + moves[e.key]); return true; }
+    if (!focused || on instanceof HTMLSelectElement) return false;  // Up/Down/Home/End: its own
+    if (e.key === "Home" || e.key === "End") { stop(); go(e.key === "Home" ? 0 : count() - 1); return true; }
+    if (e.key === " " && !(on instanceof HTMLButtonElement)) { toggle(); return true; }  // a button: click
+    return false;
+  };
+  const steppers = registry();
+  const me = { root, key };
+  steppers.add(me);
   const redraw = () => draw(model, { svg, caption, arithmetic, slider, counter, selects });
   model.on("change:frame", redraw);
   model.on("change:choice", redraw);
@@ -376,6 +443,7 @@ function render({ model, el: host }) {
   model.on("change:frames", redraw);
   redraw();
   return () => {
+    steppers.delete(me);
     stop();
     for (const name of ["frame", "choice", "views", "frames"]) model.off(`change:${name}`, redraw);
   };

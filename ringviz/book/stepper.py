@@ -98,8 +98,13 @@ def _label(value: object) -> str:
 
 
 class RingStepper(anywidget.AnyWidget):
-    """Step through a trace: prev / next / play, a slider, arrow keys, a caption per step, and
-    (with ``vary=``) drop-downs that switch between traces precomputed for a parameter grid.
+    """Step through a trace: prev / next / play, a slider, a caption per step, and (with
+    ``vary=``) drop-downs that switch between traces precomputed for a parameter grid.
+
+    Keys (listed under the drawing): Left/Right step the stepper on screen with no click first,
+    unless a text field or a drop-down elsewhere on the page has focus; the stepper's own
+    drop-down keeps Up/Down and passes Left/Right on. Home/End jump to the first/last step and
+    Space plays, once the stepper has focus (an arrow press gives it). Focus draws an outline.
 
     Used in chapters 3 (ring indexing), 5 (masks), 6 (prefill), 7 (batching) and 8 (sinks).
     """

@@ -288,3 +288,117 @@ def test_sink_slots_stand_apart_from_the_ring(page):
     assert stepper.locator("svg .slot-sink").count() == 0
     assert stepper.locator("svg .sink-label").count() == 0
     assert page.log["errors"] == []
+
+
+# Keyboard (issue 27): the arrows step the stepper on screen with no click first, Home/End jump,
+# the controls draw a focus outline, and the keys are listed under each stepper.
+MOST_VISIBLE = """() => {
+  const area = el => { const r = el.getBoundingClientRect();
+    const h = Math.min(r.bottom, innerHeight) - Math.max(r.top, 0);
+    const w = Math.min(r.right, innerWidth) - Math.max(r.left, 0);
+    return h > 0 && w > 0 ? h * w : 0; };
+  const all = [...document.querySelectorAll(".ringviz-stepper")].map(area);
+  return all.indexOf(Math.max(...all));
+}"""
+
+
+def _counters(page) -> list[str]:
+    c = page.locator(".ringviz-stepper .ringviz-counter")
+    return [c.nth(i).inner_text() for i in range(c.count())]
+
+
+def _scroll_to(page, n: int) -> None:
+    page.locator(".ringviz-stepper").nth(n).evaluate("el => el.scrollIntoView({block: 'center'})")
+    page.wait_for_timeout(100)
+
+
+def test_arrows_step_the_stepper_on_screen_without_a_click(page):
+    assert page.evaluate("document.activeElement === document.body")  # nothing clicked, no focus
+    for n in (0, 2):
+        _scroll_to(page, n)
+        page.evaluate("document.activeElement.blur()")
+        assert page.evaluate(MOST_VISIBLE) == n
+        before = _counters(page)
+        page.keyboard.press("ArrowRight")
+        after = _counters(page)
+        assert after[n] == before[n].replace("step 0", "step 1"), (before, after)
+        assert [a for i, a in enumerate(after) if i != n] == [
+            b for i, b in enumerate(before) if i != n]  # the others did not move
+        page.keyboard.press("ArrowLeft")
+        assert _counters(page) == before
+    assert page.log["errors"] == []
+
+
+def test_arrows_leave_a_text_field_alone(page):
+    _scroll_to(page, 0)
+    page.evaluate("""() => { const i = document.createElement('input'); i.id = 'probe';
+        document.querySelector('.ringviz-stepper').before(i); i.focus(); }""")
+    before = _counters(page)
+    page.keyboard.press("ArrowRight")
+    assert _counters(page) == before
+    assert page.evaluate("document.activeElement.id") == "probe"
+
+
+def test_a_focused_drop_down_keeps_up_down_and_gives_left_right_to_the_stepper(page):
+    stepper = page.locator(".ringviz-stepper").first
+    select = stepper.locator("select")
+    select.focus()
+    page.keyboard.press("ArrowRight")  # steps, and the window stays 4
+    assert stepper.locator(".ringviz-counter").inner_text() == "step 1 / 4"
+    assert select.evaluate("s => s.options[s.selectedIndex].text") == "4"
+    page.keyboard.press("ArrowDown")  # the drop-down's own key: the next window
+    assert select.evaluate("s => s.options[s.selectedIndex].text") == "5"
+    assert stepper.locator("svg .slot").count() == 5
+    page.keyboard.press("ArrowRight")  # still steps, focus still on the drop-down
+    assert stepper.locator(".ringviz-counter").inner_text() == "step 2 / 4"
+    assert page.evaluate("document.activeElement.tagName") == "SELECT"
+
+
+def test_home_and_end_jump_to_the_first_and_last_step(page):
+    stepper = page.locator(".ringviz-stepper").first
+    counter = stepper.locator(".ringviz-counter")
+    _scroll_to(page, 0)
+    page.keyboard.press("ArrowRight")  # no click: the arrow focuses the stepper it stepped
+    assert page.evaluate("document.activeElement.classList.contains('ringviz-stepper')")
+    page.keyboard.press("End")
+    assert counter.inner_text() == "step 4 / 4"
+    page.keyboard.press("Home")
+    assert counter.inner_text() == "step 0 / 4"
+    stepper.get_by_role("button", name="next").focus()  # from a button too
+    page.keyboard.press("End")
+    assert counter.inner_text() == "step 4 / 4"
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_controls_draw_a_focus_outline(browser, book, scheme):
+    """Tab through the first stepper: the stepper, its drop-down and each button draw a 2 px
+    outline in the focus colour (light #0072B2, dark #56B4E9)."""
+    focus = {"light": "rgb(0, 114, 178)", "dark": "rgb(86, 180, 233)"}[scheme]
+    page = _open(browser, book, scheme)
+    try:
+        _scroll_to(page, 0)
+        page.keyboard.press("ArrowRight")  # focuses the stepper
+        seen = []
+        for _ in range(5):  # the stepper, then select, prev, play, next
+            style = page.evaluate("""() => { const el = document.activeElement, s = getComputedStyle(el);
+                return [el.tagName, el.matches(':focus-visible'), s.outlineStyle, s.outlineWidth,
+                        s.outlineColor]; }""")
+            seen.append(style)
+            page.keyboard.press("Tab")
+        assert [s[0] for s in seen] == ["DIV", "SELECT", "BUTTON", "BUTTON", "BUTTON"], seen
+        assert all(s[1:] == [True, "solid", "2px", focus] for s in seen), seen
+    finally:
+        page.close()
+
+
+def test_keys_are_listed_under_each_stepper(page):
+    hints = page.locator(".ringviz-stepper .ringviz-keys")
+    assert hints.count() == 3
+    text = hints.first.inner_text()
+    for key in ("←", "→", "Home", "End", "Space", "↑"):
+        assert key in text, text
+    assert "↑" not in hints.nth(1).inner_text()  # no drop-down there
+    size = float(hints.first.evaluate("el => getComputedStyle(el).fontSize")[:-2])
+    assert size < 14  # small print, under the 14 px of the stepper's text
+    box, svg = hints.first.bounding_box(), page.locator(".ringviz-stepper svg").first.bounding_box()
+    assert box["y"] >= svg["y"] + svg["height"] - 1  # under the drawing
