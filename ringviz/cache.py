@@ -86,9 +86,12 @@ _NEVER = torch.iinfo(torch.int64).max  # a position no key reaches
 
 # The seam: a ring step takes q (B, Hq, T, D), k and v (B, Hkv, T, D) and positions (B, T)
 # (absolute, -1 = padding), stores what it keeps and returns the attention output (B, Hq, T, D),
-# scaled by 1/sqrt(D). A make_step(*, batch_size, num_heads, num_kv_heads, head_dim) builds one
-# fresh step; a ring factory(window) gives the make_step of a ring of that window. RingKVCache
-# is one ring; ringviz.hf, RingRunner and the conformance kit take any other in its place.
+# scaled by 1/sqrt(D). A make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype,
+# device) builds one fresh step (dtype and device those of its inputs, so it can allocate up
+# front; a caller that gives the four shapes alone leaves them to the first step:
+# ringviz.conformance.seam); a ring factory(window) gives the make_step of a ring of that
+# window. RingKVCache is one ring; ringviz.hf, RingRunner and the conformance kit take any
+# other in its place.
 Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MakeStep = Callable[..., Step]
 

@@ -2,9 +2,10 @@
 models drive them.
 
 A factory takes the cache's settings and returns ``make_step(*, batch_size, num_heads,
-num_kv_heads, head_dim)``, which builds one fresh cache and returns its
-``step(q, k, v, positions) -> out`` (see :mod:`ringviz.conformance`). Storage is made on the
-first call, on the inputs' device and in their dtype.
+num_kv_heads, head_dim, dtype=None, device=None)``, which builds one fresh cache and returns its
+``step(q, k, v, positions) -> out`` (see :mod:`ringviz.conformance`). Each is a
+:func:`~ringviz.conformance.seam.prebuilt`: storage is made at once in ``dtype`` on ``device``
+when they are given (the kit gives them), else at the first step from the inputs'.
 """
 
 from __future__ import annotations
@@ -14,35 +15,30 @@ import torch
 from ringviz import RingKVCache
 from ringviz.cache import MakeStep, Step
 from ringviz.conformance.probe import Unsupported
+from ringviz.conformance.seam import StepSpec, prebuilt
 
 
 def ringviz_ring(window: int, sinks: int = 0) -> MakeStep:
     """ringviz's :class:`~ringviz.RingKVCache`: one ``step`` per chunk, absolute-position sinks.
 
     >>> import torch
-    >>> step = ringviz_ring(4)(batch_size=1, num_heads=2, num_kv_heads=1, head_dim=8)
+    >>> step = ringviz_ring(4)(batch_size=1, num_heads=2, num_kv_heads=1, head_dim=8,
+    ...                        dtype=torch.float32, device="cpu")
     >>> x = torch.zeros(1, 1, 3, 8)
     >>> step(torch.zeros(1, 2, 3, 8), x, x, torch.arange(3)[None]).shape
     torch.Size([1, 2, 3, 8])
     """
-    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
-        cache: list[RingKVCache] = []
+    def build(s: StepSpec) -> Step:
+        return RingKVCache(s.batch_size, s.num_kv_heads, window, s.head_dim, sinks=sinks,
+                           dtype=s.dtype, device=s.device).step
 
-        def step(q, k, v, positions):
-            if not cache:
-                cache.append(RingKVCache(batch_size, num_kv_heads, window, head_dim,
-                                         sinks=sinks, dtype=k.dtype, device=k.device))
-            return cache[0].step(q, k, v, positions)
-
-        return step
-
-    return make_step
+    return prebuilt(build)
 
 
 # ---------------------------------------------------------------- Hugging Face transformers
-def _hf_masked_step(layer_factory, window: int, batch_size: int, num_heads: int,
-                    num_kv_heads: int) -> Step:
-    """A transformers cache layer driven as a model's forward drives it.
+def _hf_masked_step(layer_factory, window: int, s: StepSpec) -> Step:
+    """A transformers cache layer driven as a model's forward drives it, allocated up front
+    (``Cache.early_initialization``, as transformers' export recipes do).
 
     Per forward: the mask first, from ``create_sliding_window_causal_mask`` (it sizes itself with
     the layer's ``get_mask_sizes``) and the 2D padding mask over every token so far; then
@@ -53,12 +49,13 @@ def _hf_masked_step(layer_factory, window: int, batch_size: int, num_heads: int,
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import create_sliding_window_causal_mask
 
-    config = MistralConfig(sliding_window=window, num_attention_heads=num_heads,
-                           num_key_value_heads=num_kv_heads)
+    config = MistralConfig(sliding_window=window, num_attention_heads=s.num_heads,
+                           num_key_value_heads=s.num_kv_heads)
     config._attn_implementation = "sdpa"
     cache = Cache(layers=[layer_factory()])
+    cache.early_initialization(s.batch_size, s.num_kv_heads, s.head_dim, s.dtype, s.device)
     module = torch.nn.Module()  # what sdpa_attention_forward reads of an attention module
-    module.is_causal, module.num_key_value_groups = True, num_heads // num_kv_heads
+    module.is_causal, module.num_key_value_groups = True, s.num_heads // s.num_kv_heads
     seen: list[torch.Tensor] = []  # the 2D padding mask so far, (B, tokens)
 
     def step(q, k, v, positions):
@@ -81,32 +78,30 @@ def hf_dynamic_sliding(window: int) -> MakeStep:
     """transformers' ``DynamicSlidingWindowLayer`` (cat, keep the last W-1) with its masks."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
-        return _hf_masked_step(lambda: DynamicSlidingWindowLayer(sliding_window=window), window,
-                               batch_size, num_heads, num_kv_heads)
-
-    return make_step
+    return prebuilt(lambda s: _hf_masked_step(
+        lambda: DynamicSlidingWindowLayer(sliding_window=window), window, s))
 
 
 def hf_static_sliding(window: int, max_cache_len: int = 4096) -> MakeStep:
     """transformers' ``StaticSlidingWindowLayer`` (roll and copy W slots) with its masks."""
     from transformers.cache_utils import StaticSlidingWindowLayer
 
-    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
-        return _hf_masked_step(
-            lambda: StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=window),
-            window, batch_size, num_heads, num_kv_heads)
-
-    return make_step
+    return prebuilt(lambda s: _hf_masked_step(
+        lambda: StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=window),
+        window, s))
 
 
 def ringviz_hf(window: int, sinks: int = 0) -> MakeStep:
     """ringviz.hf's ring layer, as ``RingCache`` drives it: the mask from the positions its
-    keys will hold (built before the write, as the forward plan does), then its step."""
+    keys will hold (built before the write, as the forward plan does), then its step. The
+    ring is allocated up front, as ``RingCache.allocate`` does."""
     from ringviz.hf import RingLayer
 
-    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
+    def build(s: StepSpec) -> Step:
         layer = RingLayer(window, sinks=sinks)
+        empty = torch.empty(s.batch_size, s.num_kv_heads, 0, s.head_dim, dtype=s.dtype,
+                            device=s.device)
+        layer.lazy_initialization(empty, empty)
 
         def step(q, k, v, positions):
             mask = layer.mask(positions)
@@ -114,7 +109,7 @@ def ringviz_hf(window: int, sinks: int = 0) -> MakeStep:
 
         return step
 
-    return make_step
+    return prebuilt(build)
 
 
 # ---------------------------------------------------------------- mlx-lm
@@ -138,9 +133,10 @@ def mlx_rotating(max_size: int, keep: int = 0, window_size: int | None = None) -
     ``mx.fast.scaled_dot_product_attention(q, keys, values, scale, mask)``. ``window_size=None``
     is how a Llama built with ``--max-kv-size`` calls it (``RotatingKVCache(max_kv_size,
     keep=4)`` in every layer); Gemma 3's sliding layers pass their window. Check it with
-    ``window=max_size - keep, sinks=keep``. It has no padding: ragged rows raise.
+    ``window=max_size - keep, sinks=keep``. It has no padding: ragged rows raise. (mlx makes
+    its arrays as the keys come, in their dtype: nothing to build up front.)
     """
-    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
+    def build(s: StepSpec) -> Step:
         import mlx.core as mx
         from mlx_lm.models.cache import RotatingKVCache
 
@@ -158,7 +154,7 @@ def mlx_rotating(max_size: int, keep: int = 0, window_size: int | None = None) -
 
         return step
 
-    return make_step
+    return prebuilt(build)
 
 
 def mlx_batch_rotating(max_size: int) -> MakeStep:
@@ -166,7 +162,7 @@ def mlx_batch_rotating(max_size: int) -> MakeStep:
     padding given when the cache is built (read from the first chunk; a row whose first chunk
     is all padding raises :class:`Unsupported`). Masks from its ``make_mask``, as above. Check
     with ``window=max_size``."""
-    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
+    def build(s: StepSpec) -> Step:
         import mlx.core as mx
         from mlx_lm.models.cache import BatchRotatingKVCache
 
@@ -188,4 +184,4 @@ def mlx_batch_rotating(max_size: int) -> MakeStep:
 
         return step
 
-    return make_step
+    return prebuilt(build)

@@ -89,10 +89,12 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
           progress: Callable[[int], None] | None = None) -> Report:
     """Check a sliding-window cache on ``examples`` schedules; a :class:`Report`, never a raise.
 
-    ``make_step(*, batch_size, num_heads, num_kv_heads, head_dim)`` builds a fresh cache and
-    returns ``step(q, k, v, positions) -> out`` (shapes in :mod:`ringviz.conformance`). A query
-    at position ``p`` must see exactly the keys ``max(0, p - window + 1) .. p`` and ``0 ..
-    sinks - 1`` of its own row. ``max_chunk`` caps the chunk sizes (1: decode steps only);
+    ``make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype, device)`` builds a
+    fresh cache and returns ``step(q, k, v, positions) -> out`` (shapes in
+    :mod:`ringviz.conformance`); ``dtype`` and ``device`` are this check's, passed when
+    ``make_step`` takes them (a make_step of the four shapes alone still works:
+    :mod:`ringviz.conformance.seam`). A query at position ``p`` must see exactly the keys
+    ``max(0, p - window + 1) .. p`` and ``0 .. sinks - 1`` of its own row. ``max_chunk`` caps the chunk sizes (1: decode steps only);
     ``progress(n)`` is called after each schedule run.
 
     >>> from ringviz.conformance.adapters import ringviz_ring

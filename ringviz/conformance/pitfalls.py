@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ringviz import RingKVCache, apply_rope, band_mask
 from ringviz.cache import MakeStep, Step
+from ringviz.conformance.seam import StepSpec, prebuilt
 from ringviz.rope import Rope
 
 
@@ -52,40 +53,26 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return scores.softmax(dim=-1).nan_to_num(nan=0.0) @ values
 
 
-def _lazy(build: Callable[[torch.Tensor, int, int, int], Step]) -> MakeStep:
-    """A make_step whose step is built on the first call, from the inputs' dtype and device."""
-    def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> Step:
-        made: list[Step] = []
-
-        def step(q, k, v, positions):
-            if not made:
-                made.append(build(k, batch_size, num_kv_heads, head_dim))
-            return made[0](q, k, v, positions)
-
-        return step
-
-    return make_step
-
-
-def _ring(k: torch.Tensor, B: int, H: int, D: int, window: int, **kw) -> RingKVCache:
-    return RingKVCache(B, H, window, D, dtype=k.dtype, device=k.device, **kw)
+def _ring(s: StepSpec, window: int, **kw) -> RingKVCache:
+    return RingKVCache(s.batch_size, s.num_kv_heads, window, s.head_dim, dtype=s.dtype,
+                       device=s.device, **kw)
 
 
 def off_by_one(window: int) -> MakeStep:
     """A ring of ``window - 1`` slots: the query at p loses key p - W + 1."""
-    return _lazy(lambda k, B, H, D: _ring(k, B, H, D, window - 1).step)
+    return prebuilt(lambda s: _ring(s, window - 1).step)
 
 
 def no_stale_mask(window: int) -> MakeStep:
     """Spare slots (1.5 W) and a mask of "filled and not future": keys older than W stay."""
-    return _lazy(lambda k, B, H, D: _ring(k, B, H, D, window + window // 2).step)
+    return prebuilt(lambda s: _ring(s, window + window // 2).step)
 
 
 def _custom_mask(window: int, rule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  **ring_kw) -> MakeStep:
     """The correct ring's storage and data path, with ``rule(q_pos, key_pos)`` as its mask."""
-    def build(k, B, H, D):
-        ring = _ring(k, B, H, D, window, **ring_kw)
+    def build(s: StepSpec) -> Step:
+        ring = _ring(s, window, **ring_kw)
 
         def step(q, k, v, positions):
             if k.shape[2] == 1:
@@ -98,7 +85,7 @@ def _custom_mask(window: int, rule: Callable[[torch.Tensor, torch.Tensor], torch
 
         return step
 
-    return _lazy(build)
+    return prebuilt(build)
 
 
 def distance_rule(window: int) -> MakeStep:
@@ -120,8 +107,8 @@ def sinks_overwritten(window: int, sinks: int) -> MakeStep:
 def trim_chunk(window: int) -> MakeStep:
     """A chunk attends over ``[ring | chunk]`` cut to its newest W keys: the chunk's early
     queries lose keys their windows still hold."""
-    def build(k, B, H, D):
-        ring = _ring(k, B, H, D, window)
+    def build(s: StepSpec) -> Step:
+        ring = _ring(s, window)
 
         def step(q, k, v, positions):
             keys, values, key_pos = ring.keys_with_chunk(k, v, positions)
@@ -132,15 +119,15 @@ def trim_chunk(window: int) -> MakeStep:
 
         return step
 
-    return _lazy(build)
+    return prebuilt(build)
 
 
 def temporal_mask(window: int) -> MakeStep:
     """Keys ``[ring | chunk]`` masked as if the ring's slot ``j`` held position ``p0 - W + j``
     (temporal order, the chunk starting at ``p0``), as stock masks assume; slots hold
     ``pos % W``."""
-    def build(k, B, H, D):
-        ring = _ring(k, B, H, D, window)
+    def build(s: StepSpec) -> Step:
+        ring = _ring(s, window)
 
         def step(q, k, v, positions):
             keys, values, _ = ring.keys_with_chunk(k, v, positions)
@@ -151,14 +138,14 @@ def temporal_mask(window: int) -> MakeStep:
 
         return step
 
-    return _lazy(build)
+    return prebuilt(build)
 
 
 def chunk_first(window: int) -> MakeStep:
     """Write the whole chunk, then attend over the ring: a chunk overwrites keys its own early
     queries still need."""
-    def build(k, B, H, D):
-        ring = _ring(k, B, H, D, window)
+    def build(s: StepSpec) -> Step:
+        ring = _ring(s, window)
 
         def step(q, k, v, positions):
             ring.write(k, v, positions)
@@ -166,13 +153,13 @@ def chunk_first(window: int) -> MakeStep:
 
         return step
 
-    return _lazy(build)
+    return prebuilt(build)
 
 
 def padding_in_slots(window: int) -> MakeStep:
     """Positions counted by column, padding included: pad tokens take slots and stay visible."""
-    def build(k, B, H, D):
-        ring = _ring(k, B, H, D, window)
+    def build(s: StepSpec) -> Step:
+        ring = _ring(s, window)
         seen = [0]
 
         def step(q, k, v, positions):
@@ -183,13 +170,13 @@ def padding_in_slots(window: int) -> MakeStep:
 
         return step
 
-    return _lazy(build)
+    return prebuilt(build)
 
 
 def shared_ring(window: int) -> MakeStep:
     """One ring (batch size 1) serves every row in turn, its checks off as in a hot loop."""
-    def build(k, B, H, D):
-        ring = _ring(k, 1, H, D, window)
+    def build(s: StepSpec) -> Step:
+        ring = _ring(replace(s, batch_size=1), window)
 
         def step(q, k, v, positions):
             return torch.cat([ring.step(q[b:b + 1], k[b:b + 1], v[b:b + 1],
@@ -198,15 +185,15 @@ def shared_ring(window: int) -> MakeStep:
 
         return step
 
-    return _lazy(build)
+    return prebuilt(build)
 
 
 def _turned(window: int, turn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor],
                                            tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
             ) -> MakeStep:
     """The correct ring fed ``turn(q, k, positions) -> (q, k, positions)``: RoPE gone wrong."""
-    def build(k, B, H, D):
-        ring = _ring(k, B, H, D, window)
+    def build(s: StepSpec) -> Step:
+        ring = _ring(s, window)
 
         def step(q, k, v, positions):
             q, k, positions = turn(q, k, positions)
@@ -214,7 +201,7 @@ def _turned(window: int, turn: Callable[[torch.Tensor, torch.Tensor, torch.Tenso
 
         return step
 
-    return _lazy(build)
+    return prebuilt(build)
 
 
 def slot_rope(window: int, rope: Rope = apply_rope) -> MakeStep:
@@ -243,8 +230,8 @@ def batch_counter(window: int, rope: Rope = apply_rope) -> MakeStep:
     """One position counter for the batch: after a left-padded prefill with per-row positions,
     every row's decode token takes the padded width (+1 per step), so a row with ``p`` padding
     tokens sits ``p`` positions too far: turned, stored and masked there."""
-    def build(k, B, H, D):
-        ring, columns = _ring(k, B, H, D, window), [0]
+    def build(s: StepSpec) -> Step:
+        ring, columns = _ring(s, window), [0]
 
         def step(q, k, v, pos):
             T, counted = pos.shape[1], columns[0]
@@ -256,7 +243,7 @@ def batch_counter(window: int, rope: Rope = apply_rope) -> MakeStep:
 
         return step
 
-    return _lazy(build)
+    return prebuilt(build)
 
 
 @dataclass(frozen=True)

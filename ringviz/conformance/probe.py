@@ -23,6 +23,7 @@ from ringviz import band_mask
 from ringviz.cache import MakeStep
 from ringviz.conformance.report import Failure
 from ringviz.conformance.schedule import Schedule
+from ringviz.conformance.seam import StepSpec, make
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2  # grouped-query attention: two query heads per KV head
 MAX_HEAD_DIM = 64
@@ -58,7 +59,7 @@ def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tens
     """Build a fresh cache, feed it the schedule's chunks; ``(B, Hq, N, D)`` outputs, float64."""
     B, Hq, _, D = q.shape
     try:
-        step = make_step(batch_size=B, num_heads=Hq, num_kv_heads=k.shape[1], head_dim=D)
+        step = make(make_step, StepSpec(B, Hq, k.shape[1], D, q.dtype, q.device))
     except Unsupported:
         raise
     except Exception as err:  # noqa: BLE001 -- a cache that cannot be built is reported

@@ -45,10 +45,12 @@ class DraftRunner(RingRunner):
         """The seam's ring factory: a make_step whose step prefills or verifies an engine."""
         param = next(self.model.parameters())
 
-        def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int,
-                      head_dim: int) -> Step:
+        def make_step(*, batch_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype | None = None,
+                      device: torch.device | str | None = None) -> Step:
             ring = self.engine(batch_size, num_kv_heads, window, head_dim, self.max_draft,
-                               dtype=param.dtype, device=param.device)
+                               dtype=param.dtype if dtype is None else dtype,
+                               device=param.device if device is None else device)
             self.engines.append(ring)
             return lambda q, k, v, positions: (ring.verify if self._verifying
                                                else ring.prefill)(q, k, v, positions)
