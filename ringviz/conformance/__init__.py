@@ -5,7 +5,8 @@ positions ``max(0, p - W + 1) .. p``, plus ``0 .. sinks - 1`` when the cache kee
 sinks, of its own row, whatever chunk sizes the tokens arrive in (single tokens, chunks shorter
 and longer than ``W``, chunks that wrap the ring, runs of each) and for rows that start at
 different times (``ragged=True``: left padding, position -1). And its output is the softmax
-attention over those keys (scale ``1/sqrt(D)``).
+attention over those keys (scale ``1/sqrt(D)``); a padding query's output may be anything
+finite.
 
 ``make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype, device)`` builds a fresh
 cache (``dtype`` and ``device`` those of the kit's tensors, so it can allocate up front) and

@@ -36,6 +36,10 @@ class _WindowBroken(_Broken):
     pass
 
 
+class _PaddingBroken(_Broken):
+    pass
+
+
 class _ValuesBroken(_Broken):
     pass
 
@@ -49,6 +53,8 @@ def _raise(failure: Failure) -> None:
     # are raised, and shrinks each one on its own
     if failure.property == "window":
         raise _WindowBroken(failure)
+    if failure.property == "padding":
+        raise _PaddingBroken(failure)
     if failure.property == "values":
         raise _ValuesBroken(failure)
     raise _StepBroken(failure)
@@ -93,8 +99,9 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
     fresh cache and returns ``step(q, k, v, positions) -> out`` (shapes in
     :mod:`ringviz.conformance`); ``dtype`` and ``device`` are this check's, passed when
     ``make_step`` takes them (a make_step of the four shapes alone still works:
-    :mod:`ringviz.conformance.seam`). A query at position ``p`` must see exactly the keys
-    ``max(0, p - window + 1) .. p`` and ``0 .. sinks - 1`` of its own row. ``max_chunk`` caps the chunk sizes (1: decode steps only);
+    :mod:`ringviz.conformance.seam`). A real query at position ``p`` must see exactly the keys
+    ``max(0, p - window + 1) .. p`` and ``0 .. sinks - 1`` of its own row, and a padding query
+    must output finite numbers. ``max_chunk`` caps the chunk sizes (1: decode steps only);
     ``progress(n)`` is called after each schedule run.
 
     >>> from ringviz.conformance.adapters import ringviz_ring
@@ -149,7 +156,7 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
 
 def _one_per_property(failures: list[Failure]) -> list[Failure]:
     """The smallest failure of each property (fewest tokens, then fewest chunks), in the order
-    window, values, error. Hypothesis can report one property twice, from two origins (a cache
+    of :data:`PROPERTIES`. Hypothesis can report one property twice, from two origins (a cache
     that is wrong only sometimes)."""
     best: dict[str, Failure] = {}
     for f in sorted(failures, key=lambda f: (sum(f.schedule), len(f.schedule))):

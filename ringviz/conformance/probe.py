@@ -10,7 +10,9 @@ carry ``D`` of them.
 
 A second run with random ``q``, ``k``, ``v`` compares the outputs with a float64 softmax over
 the keys the window defines, which catches everything the key set cannot show (scaling, head
-mapping in grouped-query attention, keys re-rotated or mixed up between slots).
+mapping in grouped-query attention, keys re-rotated or mixed up between slots). Its outputs at
+padding queries (position -1) may be anything finite: a NaN or inf there is a ``"padding"``
+failure, since the next layer would mix it into every real token.
 """
 
 from __future__ import annotations
@@ -180,10 +182,10 @@ def _window(schedule: Schedule, positions: torch.Tensor, mask: torch.Tensor,
         blank.append(none + pads)  # keys that hold no token of the row: empty slots, padding
         foreign.append(sum(counts.values()) - sum(own.values()))
     expected_grid = mask[b][real][:, real].tolist()
-    step = next(i for i, (lo, hi) in enumerate(schedule.bounds()) if lo <= c < hi)
     return Failure("window", list(schedule.chunks), list(schedule.offsets),
-                   message=f"query saw {seen}, expected {expected}", step=step, row=b,
-                   position=int(positions[b, c]), expected=expected, seen=seen, other_rows=others,
+                   message=f"query saw {seen}, expected {expected}", step=schedule.chunk_of(c),
+                   row=b, column=c, position=int(positions[b, c]), expected=expected, seen=seen,
+                   other_rows=others,
                    expected_mask=expected_grid, seen_mask=seen_grid, seen_blank=blank,
                    seen_other_rows=foreign)
 
@@ -200,33 +202,57 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return weights @ v
 
 
-def values_failure(make_step: MakeStep, schedule: Schedule, positions: torch.Tensor,
+def random_outputs(make_step: MakeStep, schedule: Schedule, positions: torch.Tensor,
                    mask: torch.Tensor, *, dtype: torch.dtype, device: torch.device,
-                   gen: torch.Generator) -> Failure | None:
-    """Random q, k, v: the first query whose output is off the float64 reference, or None."""
+                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random q, k, v through a fresh cache: its outputs and the float64 reference's, each
+    ``(B, Hq, N, D)`` float64."""
     B, N = positions.shape
     D = head_dim_for(B * N)
     q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64)
                .to(device=device, dtype=dtype)
                for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
-    out = feed(make_step, schedule, q, k, v, positions)
-    err = (out - reference(q, k, v, mask)).abs().nan_to_num(nan=math.inf).amax(dim=(1, 3))
-    err = err.masked_fill(positions < 0, 0.0)  # (B, N): padding queries may output anything
+    return feed(make_step, schedule, q, k, v, positions), reference(q, k, v, mask)
+
+
+def padding_failure(out: torch.Tensor, schedule: Schedule,
+                    positions: torch.Tensor) -> Failure | None:
+    """The first padding query (in time order) whose output holds a NaN or inf, or None."""
+    broken = ~out.isfinite().all(dim=-1).all(dim=1) & (positions < 0)  # (B, N)
+    bad = broken.T.nonzero()  # (column, row) in time order
+    if not len(bad):
+        return None
+    c, b = (int(i) for i in bad[0])
+    what = "nan" if bool(out[b, :, c].isnan().any()) else "inf"
+    count, pads = int(broken.sum()), int((positions < 0).sum())
+    return Failure("padding", list(schedule.chunks), list(schedule.offsets),
+                   message=f"{count} of {pads} padding outputs not finite",
+                   step=schedule.chunk_of(c), row=b, column=c,
+                   position=int(positions[b, c]), bad_value=what)
+
+
+def values_failure(out: torch.Tensor, ref: torch.Tensor, schedule: Schedule,
+                   positions: torch.Tensor, *, dtype: torch.dtype) -> Failure | None:
+    """The first real query (in time order) whose output is off the reference, or None."""
+    err = (out - ref).abs().nan_to_num(nan=math.inf).amax(dim=(1, 3))
+    err = err.masked_fill(positions < 0, 0.0)  # (B, N): padding queries are "padding"'s
     tol = VALUE_TOL.get(dtype, 5e-2)
     bad = (err > tol).T.nonzero()  # (column, row) in time order
     if not len(bad):
         return None
     c, b = (int(i) for i in bad[0])
-    step = next(i for i, (lo, hi) in enumerate(schedule.bounds()) if lo <= c < hi)
     worst = float(err.max())
     return Failure("values", list(schedule.chunks), list(schedule.offsets),
-                   message=f"max |out - reference| {worst:.3g} > {tol:g}", step=step, row=b,
-                   position=int(positions[b, c]), max_error=worst)
+                   message=f"max |out - reference| {worst:.3g} > {tol:g}",
+                   step=schedule.chunk_of(c), row=b, column=c, position=int(positions[b, c]),
+                   max_error=worst)
 
 
 def evaluate(make_step: MakeStep, schedule: Schedule, *, window: int, sinks: int,
              dtype: torch.dtype, device: torch.device, seed: int) -> Failure | None:
-    """The first property ``schedule`` breaks: window, then values; errors as ``"error"``.
+    """The first property ``schedule`` breaks: window, then padding, then values (padding
+    first: a schedule with no padding can still show values, so a cache that breaks both is
+    reported for both); errors as ``"error"``.
 
     Raises :class:`Unsupported` if the cache declines the schedule.
     """
@@ -238,8 +264,10 @@ def evaluate(make_step: MakeStep, schedule: Schedule, *, window: int, sinks: int
                                 gen=gen)
         found = window_failure(weights, schedule, positions, mask, dtype=dtype)
         if found is None:
-            found = values_failure(make_step, schedule, positions, mask, dtype=dtype,
-                                   device=device, gen=gen)
+            out, ref = random_outputs(make_step, schedule, positions, mask, dtype=dtype,
+                                      device=device, gen=gen)
+            found = (padding_failure(out, schedule, positions)
+                     or values_failure(out, ref, schedule, positions, dtype=dtype))
     except StepError as err:
         return Failure("error", list(schedule.chunks), list(schedule.offsets),
                        message=err.message, step=err.step)

@@ -2,26 +2,32 @@
 
 A failure names the property it breaks:
 
-* ``"window"``: a query saw another set of keys than its window (``expected`` vs ``seen``, sorted
-  key positions of its own row; ``-1`` counts a key that holds no token of the row: an empty
-  slot, a padding token or a zero vector; ``other_rows`` lists keys of other rows as
+* ``"window"``: a real query saw another set of keys than its window (``expected`` vs ``seen``,
+  sorted key positions of its own row; ``-1`` counts a key that holds no token of the row: an
+  empty slot, a padding token or a zero vector; ``other_rows`` lists keys of other rows as
   ``(row, position)``). ``expected_mask`` and ``seen_mask`` are the whole row's query x key
   grids for the failing schedule, ``seen_blank`` and ``seen_other_rows`` each query's count of
   keys outside them.
-* ``"values"``: the same keys, but the output is off a float64 softmax over them by
-  ``max_error``, more than the dtype allows.
+* ``"padding"``: a padding query (position -1, a ragged row's left padding) output a NaN or an
+  inf (``bad_value``). Its output may be anything else, but it must be finite: the next layer
+  mixes it into every real token of the row (chapter 5). Only ragged checks have padding.
+* ``"values"``: a real query saw the right keys, but its output is off a float64 softmax over
+  them by ``max_error``, more than the dtype allows.
 * ``"error"``: the step raised, or returned something that is not a ``(B, Hq, T, D)`` tensor
   (``message`` holds the exception text); also a cache that answers the same schedule two ways.
 
 Each carries the shrunk ``schedule`` (chunk sizes) and ``offsets`` (each row's left padding) that
-show it.
+show it, and where: ``row``, ``column`` (the query's index in its row, padding included),
+``position`` and ``step`` (the chunk).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-PROPERTIES = ("window", "values", "error")
+PROPERTIES = ("window", "padding", "values", "error")
+PADDING = ("-1: a padding token; its output may be anything finite, but a NaN or inf would reach "
+           "every real token through the next layer")
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class Failure:
     step: int | None = None  # index of the chunk in ``schedule`` where it shows
     row: int | None = None
     position: int | None = None
+    column: int | None = None  # the query's index in its row, padding included
     expected: list[int] | None = None
     seen: list[int] | None = None
     other_rows: list[tuple[int, int]] = field(default_factory=list)
@@ -43,6 +50,7 @@ class Failure:
     seen_mask: list[list[bool]] | None = None
     seen_blank: list[int] | None = None  # per query of ``row``: keys holding no token of it
     seen_other_rows: list[int] | None = None  # per query of ``row``: keys of other rows
+    bad_value: str | None = None  # "padding": "nan" or "inf"
 
     def __post_init__(self) -> None:
         if self.property not in PROPERTIES:
@@ -55,17 +63,30 @@ class Failure:
             text += f", rows start at columns {self.offsets}"
         return text
 
+    def _query(self) -> str:
+        """Which query, in words: row, position, column, chunk."""
+        return (f"row {self.row}, query at position {self.position} (column {self.column}, "
+                f"chunk {self.step})")
+
+    def _window_text(self) -> list[str]:
+        lines = [self._query(), f"expected keys {self.expected}", f"saw keys      {self.seen}"]
+        if self.other_rows:
+            lines.append(f"and keys of other rows (row, position) {self.other_rows}")
+        return lines
+
     def __str__(self) -> str:
         head = f"{self.property}: {self.where()}"
         if self.property == "window":
-            others = f"\n  and keys of other rows (row, position) {self.other_rows}"
-            return (f"{head}\n  row {self.row}, query at position {self.position} "
-                    f"(chunk {self.step})\n  expected keys {self.expected}\n  saw keys      "
-                    f"{self.seen}" + (others if self.other_rows else ""))
-        if self.property == "values":
-            return (f"{head}\n  row {self.row}, query at position {self.position}: the "
-                    f"right keys, but\n  |out - softmax reference| = {self.max_error:.3g}")
-        return f"{head}\n  chunk {self.step}: {self.message}"
+            lines = self._window_text()
+        elif self.property == "padding":
+            lines = [f"{self._query()}: its output holds {self.bad_value} ({self.message})",
+                     PADDING]
+        elif self.property == "values":
+            lines = [f"{self._query()}: the right keys, but",
+                     f"|out - softmax reference| = {self.max_error:.3g}"]
+        else:
+            lines = [f"chunk {self.step}: {self.message}"]
+        return "\n".join([head] + ["  " + line for line in lines])
 
 
 @dataclass(frozen=True)
@@ -88,7 +109,7 @@ class Report:
         return not self.failures
 
     def properties(self) -> list[str]:
-        """The properties broken, in the order window, values, error."""
+        """The properties broken, in the order window, padding, values, error."""
         return [p for p in PROPERTIES if any(f.property == p for f in self.failures)]
 
     def to_dict(self) -> dict:

@@ -51,6 +51,13 @@ class Schedule:
             start += n
         return out
 
+    def chunk_of(self, column: int) -> int:
+        """Index of the chunk that holds ``column``."""
+        for i, (start, stop) in enumerate(self.bounds()):
+            if start <= column < stop:
+                return i
+        raise ValueError(f"column {column} is outside the schedule's {self.columns} columns")
+
 
 def default_limits(window: int, sinks: int) -> tuple[int, int]:
     """``(max_tokens, max_chunk)``: three rings' worth of tokens, chunks up to two rings long.

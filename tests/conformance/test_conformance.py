@@ -289,3 +289,47 @@ def test_more_ids_than_head_dim_take_several_probes():
                           torch.ones((), dtype=torch.float64))
     # row 1's last query (position 36) reads 1/5 on ids 40 + 35 .. 40 + 39, past the first probe
     assert torch.allclose(w[1, 0, 39, 75:80], torch.full((5,), 0.2, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- padding outputs
+def _nan_padding(step, q, k, v, p):
+    return step(q, k, v, p).masked_fill((p < 0)[:, None, :, None], float("nan"))
+
+
+def test_nan_in_a_padding_output_is_a_padding_failure():
+    report = check(_wrapped(ringviz_ring(4), _nan_padding), window=4, batch_size=2,
+                   ragged=True, examples=30)
+    assert report.properties() == ["padding"], str(report)
+    f = report.failures[0]
+    # smallest: one column, row 1 padded: its query at column 0 (chunk 0) gave NaN
+    assert (f.schedule, f.offsets, f.row, f.column, f.step, f.position, f.bad_value) == \
+        ([1], [0, 1], 1, 0, 0, -1, "nan")
+    text = str(f)
+    assert "row 1, query at position -1 (column 0, chunk 0): its output holds nan" in text
+    assert "-1: a padding token" in text
+    # no padding, nothing to break: the same cache passes unragged
+    assert check(_wrapped(ringviz_ring(4), _nan_padding), window=4, batch_size=2,
+                 examples=20).ok
+
+
+def test_inf_in_a_padding_output_is_named_inf():
+    def inf_padding(step, q, k, v, p):
+        return step(q, k, v, p).masked_fill((p < 0)[:, None, :, None], float("inf"))
+
+    f = check(_wrapped(ringviz_ring(4), inf_padding), window=4, batch_size=2, ragged=True,
+              examples=30).failures[0]
+    assert f.property == "padding" and f.bad_value == "inf" and "holds inf" in str(f)
+
+
+def test_every_broken_property_is_reported_each_with_its_own_schedule():
+    # NaN at padding and a wrong scale: schedules without padding still show "values"
+    def both(step, q, k, v, p):
+        return _nan_padding(step, 2 * q, k, v, p)
+
+    report = check(_wrapped(ringviz_ring(4), both), window=4, batch_size=2, ragged=True,
+                   examples=60)
+    assert report.properties() == ["padding", "values"], str(report)
+    padding, values = report.failures
+    assert padding.schedule == [1] and any(padding.offsets)
+    assert values.schedule == [2] and not any(values.offsets)
+    assert "2 properties broken" in str(report)

@@ -9,7 +9,9 @@ batches (7), and sinks (8). Padding queries are compared too (both give zeros).
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+import types
 
 import pytest
 import torch
@@ -89,3 +91,49 @@ def test_teaching_ring_equals_package(name, sinks, ragged, sizes):
     assert (got - want).abs().max().item() < 1e-12
     assert torch.equal(ring.pos if ring.pos.ndim == 2 else ring.pos.expand(B, -1),
                        package.positions)
+
+
+
+ZERO_FILL = "        return out.masked_fill(~mask.any(-1, keepdim=True), 0.0)  # NEW: pads\n"
+
+
+def textbook_sdpa(q, k, v, attn_mask, enable_gqa=False):
+    """SDPA as its formula reads (chapter 5): a query with no visible key gets 0/0 = NaN.
+    (This torch's own SDPA returns zeros for such a row on the CPU: one kernel's choice.)"""
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~attn_mask, float("-inf")).softmax(dim=-1) @ v
+
+
+def batch_ring_maker(source: str, sdpa=F.scaled_dot_product_attention):
+    """The kit's make_step for chapter 7's BatchRing (W = 5) defined from ``source``, its
+    attention kernel ``sdpa``."""
+    functional = types.SimpleNamespace(scaled_dot_product_attention=sdpa)
+    namespace = {"torch": torch, "F": functional}
+    exec(source, namespace)  # noqa: S102 -- the book's own code, or a mutation of it
+    ring_class = namespace["BatchRing"]
+
+    def make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype, device):
+        return ring_class(batch_size, num_kv_heads, 5, head_dim, dtype=dtype).step
+
+    return make_step
+
+
+def test_batch_ring_without_its_zero_fill_fails_padding():
+    """Chapter 7's zero-fill keeps a padding query's output finite whatever the kernel gives
+    a query that sees nothing; without it, the textbook kernel's NaN reaches the output and
+    the kit reports "padding"."""
+    from ringviz.conformance import check
+
+    source = cell_source(*CELLS["BatchRing"])
+    assert source.count(ZERO_FILL) == 1
+    mutant = source.replace(ZERO_FILL, "        return out\n")
+    kw = {"window": 5, "batch_size": 2, "ragged": True, "examples": 40}
+    for sdpa in (F.scaled_dot_product_attention, textbook_sdpa):
+        real = check(batch_ring_maker(source, sdpa), **kw)
+        assert real.ok, str(real)
+    report = check(batch_ring_maker(mutant, textbook_sdpa), **kw)
+    assert report.properties() == ["padding"], str(report)
+    f = report.failures[0]
+    assert f.position == -1 and f.bad_value == "nan" and f.offsets[f.row] > f.column
