@@ -151,7 +151,8 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
         failures = [leaf.failure for leaf in leaves]
     return Report(failures=_one_per_property(failures), examples=runs, skipped=skipped,
                   window=window, sinks=sinks, batch_size=batch_size, ragged=ragged,
-                  max_chunk=max_chunk, seed=seed, name=name)
+                  max_chunk=max_chunk, seed=seed, name=name,
+                  dtype=str(dtype).removeprefix("torch."))
 
 
 def _one_per_property(failures: list[Failure]) -> list[Failure]:

@@ -18,6 +18,7 @@ failure, since the next layer would mix it into every real token.
 from __future__ import annotations
 
 import math
+import traceback
 
 import torch
 
@@ -33,6 +34,8 @@ MAX_HEAD_DIM = 64
 VALUE_TOL = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 PROBE_NOISE = {torch.float64: 1e-9, torch.float32: 1e-5, torch.float16: 2e-3,
                torch.bfloat16: 8e-3}
+TRACEBACK_FRAMES = 3  # the innermost frames of a step's exception that an "error" shows
+_KIT_FILES = frozenset({__file__, make.__code__.co_filename})  # frames the report leaves out
 
 
 class Unsupported(ValueError):
@@ -56,6 +59,17 @@ def head_dim_for(ids: int) -> int:
     return min(MAX_HEAD_DIM, max(8, -(-ids // 8) * 8))
 
 
+def described(err: BaseException, frames: int = TRACEBACK_FRAMES) -> str:
+    """``"Type: text"`` and the innermost ``frames`` frames of its traceback, the kit's own
+    left out (where in the cache's code it broke)."""
+    stack = [f for f in traceback.extract_tb(err.__traceback__) if f.filename not in _KIT_FILES]
+    text = f"{type(err).__name__}: {err}"
+    if not stack or frames < 1:
+        return text
+    lines = "".join(traceback.format_list(stack[-frames:])).rstrip("\n").split("\n")
+    return text + "\n  last frames, innermost last:\n" + "\n".join("  " + ln for ln in lines)
+
+
 def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tensor,
          v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Build a fresh cache, feed it the schedule's chunks; ``(B, Hq, N, D)`` outputs, float64."""
@@ -65,7 +79,7 @@ def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tens
     except Unsupported:
         raise
     except Exception as err:  # noqa: BLE001 -- a cache that cannot be built is reported
-        raise StepError(0, f"make_step raised {type(err).__name__}: {err}") from err
+        raise StepError(0, f"make_step raised {described(err)}") from err
     outs = []
     for i, (a, b) in enumerate(schedule.bounds()):
         # copies: a step that writes into its inputs must not change what the kit compares
@@ -76,7 +90,7 @@ def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tens
         except Unsupported:
             raise
         except Exception as err:  # noqa: BLE001 -- the kit reports, never propagates
-            raise StepError(i, f"{type(err).__name__}: {err}") from err
+            raise StepError(i, described(err)) from err
         want = (B, Hq, b - a, D)
         if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__

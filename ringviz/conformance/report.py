@@ -3,31 +3,39 @@
 A failure names the property it breaks:
 
 * ``"window"``: a real query saw another set of keys than its window (``expected`` vs ``seen``,
-  sorted key positions of its own row; ``-1`` counts a key that holds no token of the row: an
-  empty slot, a padding token or a zero vector; ``other_rows`` lists keys of other rows as
-  ``(row, position)``). ``expected_mask`` and ``seen_mask`` are the whole row's query x key
-  grids for the failing schedule, ``seen_blank`` and ``seen_other_rows`` each query's count of
-  keys outside them.
+  sorted key positions of its own row, and :meth:`Failure.difference` between them; ``-1``
+  counts a key that holds no token of the row: an empty slot, a padding token or a zero vector;
+  ``other_rows`` lists keys of other rows as ``(row, position)``). ``expected_mask`` and
+  ``seen_mask`` are the whole row's query x key grids for the failing schedule, ``seen_blank``
+  and ``seen_other_rows`` each query's count of keys outside them.
 * ``"padding"``: a padding query (position -1, a ragged row's left padding) output a NaN or an
   inf (``bad_value``). Its output may be anything else, but it must be finite: the next layer
   mixes it into every real token of the row (chapter 5). Only ragged checks have padding.
 * ``"values"``: a real query saw the right keys, but its output is off a float64 softmax over
   them by ``max_error``, more than the dtype allows.
 * ``"error"``: the step raised, or returned something that is not a ``(B, Hq, T, D)`` tensor
-  (``message`` holds the exception text); also a cache that answers the same schedule two ways.
+  (``message`` holds the exception text and the innermost frames of its traceback); also a
+  cache that answers the same schedule two ways.
 
 Each carries the shrunk ``schedule`` (chunk sizes) and ``offsets`` (each row's left padding) that
 show it, and where: ``row``, ``column`` (the query's index in its row, padding included),
-``position`` and ``step`` (the chunk).
+``position`` and ``step`` (the chunk). A report lists every property broken, each with its own
+smallest schedule, and its text says what ``-1`` means where one appears, and when a check at
+float64 fails "values" alone by float32 rounding, that ``dtype=torch.float32`` checks a cache
+at its own precision.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 
 PROPERTIES = ("window", "padding", "values", "error")
+# what -1 means wherever a report shows it
+BLANK = "-1: holds no token of the row (an empty slot, a padding token or a zero vector)"
 PADDING = ("-1: a padding token; its output may be anything finite, but a NaN or inf would reach "
            "every real token through the next layer")
+FLOAT32_HINT_BELOW = 1e-4  # a "values" error under this, at float64, is float32 rounding
 
 
 @dataclass(frozen=True)
@@ -63,15 +71,24 @@ class Failure:
             text += f", rows start at columns {self.offsets}"
         return text
 
+    def difference(self) -> tuple[list[int], list[int]]:
+        """``(missing, extra)``: expected keys not seen, seen keys not expected (with repeats)."""
+        expected, seen = Counter(self.expected or []), Counter(self.seen or [])
+        return sorted((expected - seen).elements()), sorted((seen - expected).elements())
+
     def _query(self) -> str:
         """Which query, in words: row, position, column, chunk."""
         return (f"row {self.row}, query at position {self.position} (column {self.column}, "
                 f"chunk {self.step})")
 
     def _window_text(self) -> list[str]:
-        lines = [self._query(), f"expected keys {self.expected}", f"saw keys      {self.seen}"]
+        missing, extra = self.difference()
+        lines = [self._query(), f"expected keys {self.expected}", f"saw keys      {self.seen}",
+                 f"missing {missing or 'none'}, extra {extra or 'none'}"]
         if self.other_rows:
             lines.append(f"and keys of other rows (row, position) {self.other_rows}")
+        if -1 in (self.seen or []) or any(p == -1 for _, p in self.other_rows):
+            lines.append(BLANK)
         return lines
 
     def __str__(self) -> str:
@@ -103,6 +120,7 @@ class Report:
     max_chunk: int | None = None
     seed: int = 0
     name: str = ""
+    dtype: str = "float64"  # the dtype the check ran in
 
     @property
     def ok(self) -> bool:
@@ -117,7 +135,7 @@ class Report:
         return {"name": self.name, "ok": self.ok, "examples": self.examples,
                 "window": self.window, "sinks": self.sinks, "batch_size": self.batch_size,
                 "ragged": self.ragged, "max_chunk": self.max_chunk, "seed": self.seed,
-                "skipped": self.skipped,
+                "skipped": self.skipped, "dtype": self.dtype,
                 "failures": [asdict(f) for f in self.failures]}
 
     def __str__(self) -> str:
@@ -132,4 +150,16 @@ class Report:
                  f"{'y' if len(self.failures) == 1 else 'ies'} broken in {self.examples} "
                  f"schedules{declined}"]
         lines += [str(f) for f in self.failures]
-        return "\n".join(lines)
+        hint = self.hint()
+        return "\n".join(lines + ([f"hint: {hint}"] if hint else []))
+
+    def hint(self) -> str | None:
+        """What to try when a float64 check fails "values" alone by float32 rounding."""
+        if self.properties() != ["values"] or self.dtype != "float64":
+            return None
+        error = self.failures[0].max_error
+        if error is None or error >= FLOAT32_HINT_BELOW:
+            return None
+        return (f"the outputs are off by {error:.2g} only, float32 rounding: a cache that "
+                f"computes in float32 cannot do better; check it at its own precision with "
+                f"dtype=torch.float32")

@@ -74,6 +74,12 @@ def test_a_step_that_raises_is_reported_not_propagated():
     assert report.properties() == ["error"]
     f = report.failures[0]
     assert f.schedule == [4] and f.step == 0 and "RuntimeError: chunk too long" in f.message
+    # where in the cache's code: the innermost frames, the raise last, none of the kit's own
+    frames = f.message.split("last frames, innermost last:\n")[1]
+    assert frames.count('File "') == 2  # the wrapper's lambda, then boom (fewer than 3 here)
+    assert "in boom" in frames and frames.rstrip().endswith('raise RuntimeError("chunk too long")')
+    assert "probe.py" not in frames and "seam.py" not in frames
+    assert "in boom" in str(report)
 
 
 def test_wrong_shape_is_an_error():
@@ -291,6 +297,18 @@ def test_more_ids_than_head_dim_take_several_probes():
     assert torch.allclose(w[1, 0, 39, 75:80], torch.full((5,), 0.2, dtype=torch.float64))
 
 
+def test_error_frames_keep_the_innermost_three():
+    def deep(n):
+        if n == 0:
+            raise KeyError("slot")
+        return deep(n - 1)
+
+    report = check(_wrapped(ringviz_ring(4), lambda s, q, k, v, p: deep(5)), window=4,
+                   examples=5)
+    frames = report.failures[0].message.split("last frames, innermost last:\n")[1]
+    assert frames.count('File "') == 3 and frames.count("in deep") == 3
+
+
 # ---------------------------------------------------------------- padding outputs
 def _nan_padding(step, q, k, v, p):
     return step(q, k, v, p).masked_fill((p < 0)[:, None, :, None], float("nan"))
@@ -333,3 +351,48 @@ def test_every_broken_property_is_reported_each_with_its_own_schedule():
     assert padding.schedule == [1] and any(padding.offsets)
     assert values.schedule == [2] and not any(values.offsets)
     assert "2 properties broken" in str(report)
+
+
+# ---------------------------------------------------------------- reports a person can act on
+def test_window_text_shows_the_difference_and_explains_minus_one():
+    off = check(PITFALLS["off_by_one"].build(6), window=6, examples=30).failures[0]
+    assert off.difference() == ([0], [])
+    assert "missing [0], extra none" in str(off) and "-1:" not in str(off)
+    blank = check(PITFALLS["distance_rule"].build(6), window=6, examples=30).failures[0]
+    missing, extra = blank.difference()
+    assert not missing and extra == [-1] * 5  # empty slots of a ring that holds one token
+    assert "missing none, extra [-1, -1, -1, -1, -1]" in str(blank)
+    assert "-1: holds no token of the row" in str(blank)
+
+
+def test_difference_counts_repeats():
+    f = Failure("window", [3], [0], message="", expected=[0, 1, 2], seen=[1, 2, 2, -1])
+    assert f.difference() == ([0], [-1, 2])
+
+
+def _float32_inside(window):
+    """A correct ring that computes in float32 whatever the check's dtype (as HF's eager
+    attention does its softmax)."""
+    make = ringviz_ring(window)
+
+    def make_step(*, dtype, device, **shape):
+        step = make(**shape, dtype=torch.float32, device=device)
+        return lambda q, k, v, p: step(q.float(), k.float(), v.float(), p).to(dtype)
+
+    return make_step
+
+
+def test_float32_rounding_at_float64_hints_at_dtype_float32():
+    report = check(_float32_inside(4), window=4, examples=20)
+    assert report.properties() == ["values"] and report.failures[0].max_error < 1e-4
+    assert report.dtype == "float64" and "dtype=torch.float32" in report.hint()
+    assert str(report).splitlines()[-1].startswith("hint: ")
+    assert check(_float32_inside(4), window=4, examples=20, dtype=torch.float32).ok
+    # a real values bug (a wrong scale) gets no hint, nor does a check already at float32
+    wrong = check(_wrapped(ringviz_ring(4), lambda s, q, k, v, p: s(2 * q, k, v, p)),
+                  window=4, examples=20)
+    assert wrong.properties() == ["values"] and wrong.hint() is None
+    assert "hint" not in str(wrong)
+    small = Failure("values", [1], [0], message="", max_error=5e-8)
+    assert Report([small], examples=1, window=4, dtype="float32").hint() is None
+    assert Report([small], examples=1, window=4).hint() is not None
