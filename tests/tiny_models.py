@@ -132,3 +132,68 @@ def max_score_diff(a, b) -> float:
         finite = torch.isfinite(x)
         worst = max(worst, float((x[finite] - y[finite]).abs().max()))
     return worst
+
+
+# one tiny config for any family: each key is set where the family's config declares it
+TINY_CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=4096, sliding_window=5,
+    attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    # mixtures of experts
+    moe_intermediate_size=16, num_experts=4, num_local_experts=4, n_routed_experts=4,
+    num_experts_per_tok=2, n_shared_experts=1, shared_intermediate_size=16,
+    first_k_dense_replace=1, n_group=1, topk_group=1,
+    # multi-head latent attention (keys 16 wide, values 16: one head size)
+    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    # Gemma 3n / Gemma 4
+    global_head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+    num_kv_shared_layers=0, laurel_rank=4, altup_num_inputs=2)
+
+
+def _tiny_kwargs(config_class, layers: int) -> dict:
+    fields = getattr(config_class, "__dataclass_fields__", {})
+    kwargs = {key: value for key, value in TINY_CONFIG.items() if key in fields}
+    kwargs["num_hidden_layers"] = layers
+    if "layer_types" in fields:
+        types = getattr(config_class().get_text_config(), "layer_types", None)
+        if types:
+            kinds = list(dict.fromkeys(types))
+            kwargs["layer_types"] = [kinds[i % len(kinds)] for i in range(layers)]
+    return kwargs
+
+
+def family_model_class(model_type: str):
+    """transformers' causal-LM class of ``model_type``."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
+
+
+def tiny_family(model_type: str, layers: int = 4, dtype=torch.float64, **overrides):
+    """A tiny random eval-mode model of any causal-LM family (float64, seeded).
+
+    :data:`TINY_CONFIG`'s keys where the config class declares them, ``layers`` layers cycling
+    through the family's own layer types, eager experts (grouped matmuls take no float64),
+    and SDPA attention where the family has it (eager otherwise).
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    config_class = CONFIG_MAPPING[model_type]
+    kwargs = {**_tiny_kwargs(config_class, layers), **overrides}
+    text_class = getattr(config_class, "sub_configs", {}).get("text_config")
+    if text_class is not None:  # a draft assistant's nested text model: tiny too
+        default = config_class().text_config  # an AutoConfig entry: its default's class
+        text_class = type(default) if text_class.__name__ == "AutoConfig" else text_class
+        kwargs["text_config"] = {"model_type": text_class.model_type,
+                                 **_tiny_kwargs(text_class, layers)}
+    config = config_class(**kwargs, experts_implementation="eager")
+    text = config.get_text_config()
+    if text.vocab_size > VOCAB or getattr(text, "hidden_size", 0) > 64:
+        raise RuntimeError(f"{model_type}: the tiny config did not take (vocab "
+                           f"{text.vocab_size}, hidden {text.hidden_size}); not building it")
+    torch.manual_seed(0)
+    try:
+        config._attn_implementation = "sdpa"
+        model = family_model_class(model_type)(config)
+    except ValueError:  # no SDPA for this family
+        config._attn_implementation = "eager"
+        model = family_model_class(model_type)(config)
+    return model.to(dtype).eval()

@@ -137,7 +137,8 @@ def attention_hook(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
                          f"mask over {attention_mask.shape[1]} heads (a learned per-head mask, "
                          f"as in Doge): the ring attention path does not implement it")
     out = serving_cache().attend(module.layer_idx, query, key, value, attention_mask, scaling)
-    return out.transpose(1, 2), None  # HF expects (B, T, Hq, D)
+    # HF expects (B, T, Hq, D), contiguous as its own SDPA hands it (AfMoE views it)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> None:

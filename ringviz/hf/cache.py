@@ -28,7 +28,7 @@ from ringviz.attention import attend
 from ringviz.cache import MakeStep, RingKVCache, step_key_positions
 from ringviz.checks import check_int, check_sinks
 from ringviz.hf.config import read_layout
-from ringviz.hf.rotary import check_rope, model_sink_rope
+from ringviz.hf.rotary import check_rope, model_sink_rope, rope_layers
 from ringviz.masks import band_mask
 from ringviz.rope import Rope
 
@@ -431,6 +431,9 @@ def check_model(model) -> None:
         "chunked attention": getattr(config, "attention_chunk_size", None) is not None,
         "a learned per-head attention mask (as in Doge)": any(
             callable(getattr(m, "prepare_dynamic_mask", None)) for m in model.modules()),
+        "layers run more than once per forward (looped, as in Dory)": any(
+            "loop" in key and isinstance(value, int) and value > 1
+            for key, value in config.to_dict().items()),
     }
     found = [name for name, present in features.items() if present]
     if found:
@@ -480,14 +483,11 @@ class RingCache(Cache):
         check_model(model)
         layout = read_layout(model.config)
         windows = layout.windows(window)  # ValueError on a bad window
-        rope = None
-        if sink_convention == "cache":
-            rope = model_sink_rope(model, "sliding_attention")
-            check_rope(model, rope, "sliding_attention")
+        ropes = sink_ropes(model, windows, sink_convention)
         check_kv_sharing(model.config)
         super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope, draft=self.draft,
                                            make_step=ring(w) if ring else None)
-                                 if w else FullLayer() for w in windows])
+                                 if w else FullLayer() for w, rope in zip(windows, ropes)])
         self.config, self.layout = model.config, layout
         self.windows = windows
         self.window = windows_of(windows)
@@ -568,9 +568,9 @@ class RingCache(Cache):
                  device: torch.device | str | None) -> None:
         """Allocate every layer now (rings: their window; full layers: ``tokens`` slots)."""
         self.reserve(tokens)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if getattr(layer, "make_step", None) is None:  # another ring is made at its step
-                x = torch.empty(batch_size, self.layout.num_kv_heads, 0, self.layout.head_dim,
+                x = torch.empty(batch_size, self.layout.kv_heads[i], 0, self.layout.head_dims[i],
                                 dtype=dtype, device=device)
                 layer.lazy_initialization(x, x)
 
@@ -706,6 +706,20 @@ class RingCache(Cache):
             for layer in self.layers:
                 layer.crop(-n)
             self._columns -= n
+
+
+def sink_ropes(model, windows: list[int | None], sink_convention: str) -> list[Rope | None]:
+    """Per layer, the ``sink_rope`` of its ring: the model's RoPE of sliding layers for
+    StreamingLLM's convention (``"cache"``), None for the absolute one, and None for a layer
+    whose attention uses no RoPE (its keys carry no position: both conventions agree)."""
+    if sink_convention != "cache":
+        return [None] * len(windows)
+    turned = [i for i, (w, used) in enumerate(zip(windows, rope_layers(model))) if w and used]
+    if not turned:
+        return [None] * len(windows)
+    rope = model_sink_rope(model, "sliding_attention")
+    check_rope(model, rope, "sliding_attention", turned)
+    return [rope if i in turned else None for i in range(len(windows))]
 
 
 def check_kv_sharing(config) -> None:

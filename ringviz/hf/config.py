@@ -7,14 +7,24 @@ reads layer kinds, windows, head_dim and RoPE bases here, so they agree on every
 * without it (Llama, Mistral, Phi-3) every layer is of one kind: sliding when the config class
   declares ``sliding_window`` and it is set (Mistral, Phi-3's 2047), full otherwise. Llama's
   config does not declare it, and its modeling ignores one set by hand (so does this reader);
-* ``head_dim`` defaults to ``hidden_size // num_attention_heads`` (Qwen2 and Phi-3 configs have
-  no ``head_dim``);
-* ``rope_parameters`` holds one RoPE base, or one per layer type (Gemma 3: 1e4 local, 1e6 global).
+* a config with ``layer_types`` sets its window as an attribute it may not declare
+  (ModernBERT-decoder: ``local_attention // 2``), read as such;
+* ``head_dim`` (a key's size: ``qk_head_dim`` where a config has one) defaults to
+  ``hidden_size // num_attention_heads`` (Qwen2 and Phi-3 configs have no ``head_dim``); a
+  heterogeneous config (Gemma 4: 256 on sliding layers, 512 on full ones) gives it, and
+  ``num_key_value_heads``, per layer (``config.per_layer_config[i]``), as transformers' own
+  layers read them;
+* ``rope_parameters`` holds one RoPE base, or one per layer type (Gemma 3: 1e4 local, 1e6 global;
+  Beam: None, no RoPE, on its full layers).
+
+Two kinds of model are refused here, naming what they do: keys and values of different head
+sizes (multi-head latent attention: DeepSeek-V3, MiniCPM3), and a declared window that the
+model's own attention ignores (:data:`IGNORED_WINDOW`), which serves only with ``window=W``.
 
 >>> from transformers import MistralConfig
 >>> layout = read_layout(MistralConfig(num_hidden_layers=2, sliding_window=8))
->>> layout.kinds, layout.native_window, layout.head_dim
-(('sliding', 'sliding'), 8, 128)
+>>> layout.kinds, layout.native_window, layout.head_dims
+(('sliding', 'sliding'), 8, (128, 128))
 >>> layout.windows(4)
 [4, 4]
 """
@@ -27,6 +37,11 @@ from ringviz.checks import check_int
 
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}  # HF type -> kind
 KIND_TYPES = {kind: layer_type for layer_type, kind in LAYER_TYPES.items()}
+# model types whose config declares ``sliding_window`` but whose attention never applies it:
+# Hugging Face's own forward is then full causal while its generate's cache keeps a window, so
+# the two disagree and no window is "the model's own"
+IGNORED_WINDOW = {"moshi": "Moshi's attention masks ignore it (its forward is full causal) "
+                           "while Hugging Face's generate keeps only that window in its cache"}
 
 
 @dataclass(frozen=True)
@@ -35,14 +50,26 @@ class Layout:
 
     kinds: tuple[str, ...]  # per layer: "full" or "sliding" (the mask transformers builds)
     native_window: int | None  # the model's own sliding window; None if no layer slides
-    num_kv_heads: int
-    head_dim: int
-    rope_thetas: dict[str, float]  # RoPE base per kind, "full" and "sliding" (equal if one)
+    kv_heads: tuple[int, ...]  # per layer
+    head_dims: tuple[int, ...]  # per layer
+    rope_thetas: dict[str, float]  # RoPE base per kind with RoPE, "full" and/or "sliding"
+    ignored_window: str | None = None  # why a declared window is not the model's own
+
+    @property
+    def num_kv_heads(self) -> int:
+        """The one KV-head count of every layer (ValueError where layers differ)."""
+        return _one("num_key_value_heads", self.kv_heads)
+
+    @property
+    def head_dim(self) -> int:
+        """The one head size of every layer (ValueError where layers differ, as in Gemma 4)."""
+        return _one("head_dim", self.head_dims)
 
     @property
     def has_native_window(self) -> bool:
-        """True when the model's own layers slide (Gemma 3, Mistral), False for Llama."""
-        return self.native_window is not None
+        """True when the model's own layers slide (Gemma 3, Mistral), False for Llama (and for
+        a declared window the model's attention ignores, as Moshi's)."""
+        return self.native_window is not None and self.ignored_window is None
 
     def windows(self, window: int | None) -> list[int | None]:
         """Per layer: the window of its ring, or None for a full layer that keeps every token.
@@ -52,6 +79,11 @@ class Layout:
         gets ``window`` imposed on every layer; it must be given.
         """
         if window is None:
+            if self.ignored_window:
+                raise ValueError(f"this config declares sliding_window={self.native_window}, "
+                                 f"but {self.ignored_window}: the two disagree, so ringviz "
+                                 f"does not guess; pass window=W for a window of W on every "
+                                 f"layer")
             if not self.has_native_window:
                 raise ValueError("this model has no native sliding window: pass window=W")
             window = self.native_window
@@ -72,7 +104,7 @@ def read_layout(config) -> Layout:
     n = check_int("num_hidden_layers", config.num_hidden_layers)
     types = getattr(config, "layer_types", None)
     declared = "sliding_window" in getattr(type(config), "__dataclass_fields__", {})
-    sliding_window = getattr(config, "sliding_window", None) if declared else None
+    sliding_window = getattr(config, "sliding_window", None) if declared or types else None
     if types is None:  # Llama/Mistral-style: one kind for all layers, set by sliding_window
         kinds = ("sliding" if sliding_window is not None else "full",) * n
     else:
@@ -82,9 +114,39 @@ def read_layout(config) -> Layout:
                              f"{sorted(LAYER_TYPES)})")
         kinds = tuple(LAYER_TYPES[t] for t in types)
     native = sliding_window if "sliding" in kinds else None
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return Layout(kinds, native, kv_heads, head_dim, _rope_thetas(config))
+    check_equal_head_sizes(config)
+    layers = _layer_configs(config, n)
+    head_dims = tuple(getattr(c, "qk_head_dim", None) or getattr(c, "head_dim", None)
+                      or c.hidden_size // c.num_attention_heads for c in layers)
+    kv_heads = tuple(getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+                     for c in layers)
+    ignored = IGNORED_WINDOW.get(config.model_type) if native is not None else None
+    return Layout(kinds, native, kv_heads, head_dims, _rope_thetas(config), ignored)
+
+
+def _layer_configs(config, n: int) -> list:
+    """Each layer's config: ``per_layer_config[i]`` where attributes vary by layer (Gemma 4),
+    else the one config."""
+    if getattr(config, "is_heterogeneous", False):
+        return [config.per_layer_config[i] for i in range(n)]
+    return [config] * n
+
+
+def _one(name: str, values: tuple[int, ...]) -> int:
+    if len(set(values)) != 1:
+        raise ValueError(f"{name} differs between layers ({sorted(set(values))}): read it per "
+                         f"layer")
+    return values[0]
+
+
+def check_equal_head_sizes(config) -> None:
+    """Raise if keys and values have different head sizes (multi-head latent attention)."""
+    key = getattr(config, "qk_head_dim", None)
+    value = getattr(config, "v_head_dim", None)
+    if key is not None and value is not None and key != value:
+        raise ValueError(f"{config.model_type} has keys of head size {key} and values of {value} "
+                         f"(multi-head latent attention): a ring stores keys and values of one "
+                         f"head size, so it cannot serve this model")
 
 
 def _rope_thetas(config) -> dict[str, float]:
@@ -93,7 +155,7 @@ def _rope_thetas(config) -> dict[str, float]:
     out = {}
     for kind, layer_type in KIND_TYPES.items():
         p = params.get(layer_type, params)
-        if "rope_theta" in p:
+        if p is not None and "rope_theta" in p:  # None: that kind has no RoPE (Beam)
             out[kind] = float(p["rope_theta"])
     return out
 

@@ -90,6 +90,37 @@ def check_mask_holes(cache: RingCache, mask: torch.Tensor | None) -> None:
                          f"would differ; pad on the left only (window {cache.window})")
 
 
+def check_inputs(source: torch.Tensor | None, is_ids: bool, attention_mask) -> None:
+    """Raise on inputs transformers would fail on deep inside: ``input_ids`` an integer
+    ``(B, L)`` tensor with ``L >= 1`` (``inputs_embeds`` ``(B, L, d)``), ``attention_mask``
+    ``(B, L)``."""
+    if source is not None:
+        if not isinstance(source, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(source).__name__}")
+        if is_ids and (source.dtype.is_floating_point or source.dtype.is_complex
+                       or source.dtype == torch.bool):
+            raise TypeError(f"input_ids must hold integer token ids, got {source.dtype}")
+        if source.ndim != (2 if is_ids else 3) or source.shape[1] == 0:
+            raise ValueError(f"{'input_ids' if is_ids else 'inputs_embeds'} must hold at least "
+                             f"one token per row, (B, L{'' if is_ids else ', d'}) with L >= 1; "
+                             f"got shape {tuple(source.shape)}")
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(source.shape[:2]):
+            raise ValueError(f"attention_mask must be (B, L) = {tuple(source.shape[:2])}, like "
+                             f"the input, got {tuple(attention_mask.shape)}")
+
+
+def check_storage(model, cache: RingCache) -> None:
+    """Raise unless a cache that holds tokens holds them in the dtype and on the device the
+    model computes in now (a ``model.to(torch.bfloat16)`` after the cache was filled would
+    write bfloat16 keys into float32 storage)."""
+    held = next((layer.keys for layer in cache.layers
+                 if layer.is_initialized and layer.keys is not None), None)
+    if held is not None and (held.dtype != model.dtype or held.device != model.device):
+        raise ValueError(f"the cache holds {held.dtype} keys on {held.device}, but the model "
+                         f"now computes in {model.dtype} on {model.device} (moved or cast "
+                         f"after the cache was filled): build a new RingCache")
+
+
 def check_continuation(cache: RingCache, seen: int, length: int, batch: int,
                        mask: torch.Tensor | None) -> None:
     """Raise unless a call of ``length`` columns (``batch`` rows) continues what ``cache`` holds.
@@ -203,6 +234,7 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
     _check_call(model, kwargs, config)
     embeds = kwargs.get("inputs_embeds")
     source = embeds if embeds is not None else input_ids
+    check_inputs(source, embeds is None, kwargs.get("attention_mask"))
     draft = draft_tokens(model, kwargs, config, source.shape[1] if source is not None else 0)
     if cache is None:
         cache = RingCache(model, window=window, sinks=0 if sinks is UNSET else sinks,
@@ -217,6 +249,7 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
             raise ValueError(f"this call may draft {draft} tokens, but the cache's rings have "
                              f"spare slots for {cache.draft}: build RingCache(model, "
                              f"draft={draft}) for it")
+    check_storage(model, cache)
     mask = effective_attention_mask(input_ids if embeds is None else None,
                                     kwargs.get("attention_mask"), config)
     check_mask_holes(cache, mask)

@@ -85,36 +85,94 @@ def float64_rope_angles(model) -> Iterator[None]:
         del rotary.forward
 
 
-def check_rope(model, rope: Rope, layer_type: str) -> None:
-    """Raise unless ``rope`` turns a key exactly as the model's own attention rotates it.
+def attention_modules(model) -> dict[int, torch.nn.Module]:
+    """Each layer's attention module, by its ``layer_idx`` (the first module that claims it)."""
+    found: dict[int, torch.nn.Module] = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if isinstance(idx, int) and hasattr(module, "head_dim"):
+            found.setdefault(idx, module)
+    return found
+
+
+PROBE_NAME = "ringviz_rope_probe"  # the attention function rope_layers runs the model with
+
+
+def rope_layers(model) -> list[bool]:
+    """Per layer: whether its attention rotates keys by position (RoPE) at all.
+
+    Families say it in many ways (SmolLM3's ``no_rope_layers``, Beam's None RoPE parameters,
+    AfMoE and Cohere 2 rotating only on sliding layers), so it is measured: one token run at
+    two positions. With one token every attention output is its own value, so the hidden states
+    do not depend on the position; a layer's keys then differ between the runs exactly when it
+    rotates them. A key a layer does not rotate carries no position and is never turned: both
+    sink conventions score it alike.
+    """
+    from transformers import AttentionInterface
+
+    from ringviz.hf.attention import attention_implementation  # (it imports this module)
+
+    AttentionInterface.register(PROBE_NAME, _probe_attention)
+    param = next(model.parameters())
+    token = torch.full((1, 1), 1, dtype=torch.int64, device=param.device)
+    keys = []
+    with torch.no_grad(), attention_implementation(model, PROBE_NAME):
+        for position in (0, 7):
+            seen: dict[int, torch.Tensor] = {}
+            model(input_ids=token, position_ids=torch.full_like(token, position),
+                  use_cache=False, rope_probe=seen)
+            keys.append(seen)
+    return [not torch.equal(keys[0][i], keys[1][i]) if i in keys[0] else False
+            for i in range(model.config.num_hidden_layers)]
+
+
+def _probe_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, attention_mask, scaling: float, dropout: float = 0.0,
+                     **kwargs) -> tuple[torch.Tensor, None]:
+    """One token's attention (its own value), keeping the layer's key for :func:`rope_layers`."""
+    kwargs["rope_probe"][module.layer_idx] = key.clone()
+    out = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)  # (B, Hq, 1, Dv)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def check_rope(model, rope: Rope, layer_type: str, layers: list[int]) -> None:
+    """Raise unless ``rope`` turns a key exactly as each of ``layers``' attention rotates it.
 
     StreamingLLM's sink convention turns stored keys again with ``rope``: a rotation of the whole
     head by the model's cos/sin (``x cos + rotate_half(x) sin``). A model whose RoPE is not that
-    (Cohere's interleaved pairs, Phi-3's partial rotary) is refused here, probed once on a random
-    key with the function its attention module calls (``apply_rotary_pos_emb``).
+    (Cohere's interleaved pairs, Phi-3's partial rotary) is refused here, probed on a random key
+    of every listed layer's head size with the function its attention module calls
+    (``apply_rotary_pos_emb``).
     """
-    attention = next((m for m in model.modules() if hasattr(m, "layer_idx")
-                      and hasattr(m, "head_dim")), None)
-    apply = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None) \
-        if attention is not None else None
-    if apply is None:
-        raise ValueError(f"{type(model).__name__}: no apply_rotary_pos_emb found next to its "
-                         f"attention, so sink_convention='cache' cannot check the model's RoPE")
-    rotary = model.model.rotary_emb
-    dtype = next(model.parameters()).dtype
-    x = torch.randn(1, 1, 3, attention.head_dim, generator=torch.Generator().manual_seed(0),
-                    dtype=dtype).to(next(model.parameters()).device)
+    modules = attention_modules(model)
+    for i in layers:
+        attention = modules.get(i)
+        apply = getattr(sys.modules[type(attention).__module__], "apply_rotary_pos_emb", None) \
+            if attention is not None else None
+        if apply is None:
+            raise ValueError(f"{type(model).__name__}: no apply_rotary_pos_emb found next to "
+                             f"layer {i}'s attention, so sink_convention='cache' cannot check "
+                             f"the model's RoPE")
+        if not _turns_alike(model, rope, apply, attention.head_dim, layer_type):
+            raise ValueError(f"{model.config.model_type}'s RoPE (layer {i}) is not a rotation "
+                             f"of the whole head by its cos/sin (interleaved pairs or partial "
+                             f"rotary): sink_convention='cache' cannot turn its stored keys; use "
+                             f"'absolute'")
+
+
+def _turns_alike(model, rope: Rope, apply, head_dim: int, layer_type: str) -> bool:
+    """Whether ``rope`` and the model's ``apply`` rotate a random key of ``head_dim`` alike."""
+    rotary = rotary_embedding(model)
+    param = next(model.parameters())
+    x = torch.randn(1, 1, 3, head_dim, generator=torch.Generator().manual_seed(0),
+                    dtype=param.dtype).to(param.device)
     positions = torch.tensor([[0, 5, 37]], device=x.device)
-    args = (layer_type,) if "layer_type" in inspect.signature(rotary.forward).parameters else ()
-    cos, sin = rotary(x, positions, *args)
+    args = (layer_type,) if _takes_layer_type(rotary) else ()
     try:
+        cos, sin = rotary(x, positions, *args)
         params = list(inspect.signature(apply).parameters)
         theirs = apply(x, cos, sin) if params[1] == "cos" else apply(x, x, cos, sin)[1]
         ours = rope(x, positions)
-        same = ours.shape == theirs.shape and torch.allclose(ours, theirs, atol=1e-5)
+        return ours.shape == theirs.shape and bool(torch.allclose(ours, theirs, atol=1e-5))
     except (RuntimeError, ValueError, TypeError):
-        same = False
-    if not same:
-        raise ValueError(f"{model.config.model_type}'s RoPE is not a rotation of the whole head "
-                         f"by its cos/sin (interleaved pairs or partial rotary): "
-                         f"sink_convention='cache' cannot turn its stored keys; use 'absolute'")
+        return False

@@ -16,7 +16,7 @@ import torch
 from ringviz.checks import check_int
 from ringviz.hf.attention import attention_implementation
 from ringviz.hf.config import KIND_TYPES, read_layout
-from ringviz.hf.rotary import model_sink_rope
+from ringviz.hf.rotary import model_sink_rope, rope_layers
 from ringviz.reference import StreamingLLMCache
 
 STREAMING_REF_NAME = "ringviz_streaming_llm_reference"
@@ -27,9 +27,12 @@ class _StreamingState:
 
     def __init__(self, model, sinks: int, window: int | None) -> None:
         layout = read_layout(model)
-        self.caches = [StreamingLLMCache(sinks, w, model_sink_rope(model, KIND_TYPES[kind]))
-                       for kind, w in zip(layout.kinds, layout.windows(window), strict=True)]
-        # Llama: every layer sliding, imposed; Gemma 3's full layers keep everything
+        self.caches = [StreamingLLMCache(sinks, w, model_sink_rope(model, KIND_TYPES[kind])
+                                         if used else _unturned)
+                       for kind, w, used in zip(layout.kinds, layout.windows(window),
+                                                rope_layers(model), strict=True)]
+        # Llama: every layer sliding, imposed; Gemma 3's full layers keep everything; a layer
+        # without RoPE (SmolLM3's every fourth) never rotates its keys
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scaling: float) -> torch.Tensor:
@@ -41,6 +44,11 @@ class _StreamingState:
         keys, values = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
         weights = torch.softmax((q @ keys.transpose(-1, -2)) * scaling, dim=-1)
         return weights @ values
+
+
+def _unturned(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The RoPE of a layer that has none: keys and queries stay as they are."""
+    return x
 
 
 def _streaming_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -158,3 +158,32 @@ def test_all_layers_reading_another_models_keys_are_refused():
 
 def test_gemma3_still_builds_with_the_cache_convention():
     hf.RingCache(tiny_gemma(), sinks=2, sink_convention="cache")
+
+
+# ------------------------------------------------------------------------------- inputs
+@pytest.mark.parametrize(("ids", "kwargs", "error", "match"), [
+    (prompt(6).double(), {}, TypeError, "integer token ids"),
+    (prompt(6)[:, :0], {}, ValueError, "at least one token"),
+    (prompt(6)[0], {}, ValueError, "at least one token per row"),
+    (prompt(6), {"attention_mask": torch.ones(1, 5, dtype=torch.long)}, ValueError,
+     r"attention_mask must be \(B, L\) = \(1, 6\)"),
+])
+def test_bad_inputs_are_refused_before_any_forward(ids, kwargs, error, match):
+    model = tiny_mistral()
+    cache = hf.RingCache(model)
+    with pytest.raises(error, match=match):
+        hf.generate(model, ids, cache=cache, max_new_tokens=2, **kwargs)
+    assert not any(layer.is_initialized for layer in cache.layers)  # nothing ran
+
+
+def test_a_cache_continued_after_the_model_was_cast_is_refused():
+    model = tiny_mistral()
+    ids = prompt(6)
+    out = hf.generate(model, ids, max_new_tokens=2, return_dict_in_generate=True,
+                      pad_token_id=0)
+    model.to(torch.float32)
+    before = hf_state(model, out.cache)
+    with pytest.raises(ValueError, match="holds torch.float64 keys.*computes in torch.float32"):
+        hf.generate(model, torch.cat([out.sequences, prompt(2)], 1), cache=out.cache,
+                    max_new_tokens=2)
+    assert hf_state(model, out.cache) == before
