@@ -165,8 +165,8 @@ def _cmd_chat(args: argparse.Namespace) -> dict:
         if not result["interrupted"]:
             print(f"[{result['new_tokens']} tokens, {result['tokens_per_s']:.1f} tokens/s; "
                   f"{result['tokens_so_far']} in the conversation; cache "
-                  f"{_mib(result['cache_bytes'])}, a full cache would hold "
-                  f"{_mib(result['full_cache_bytes'])}]", file=sys.stderr)
+                  f"{_mib(result['cache_bytes'])}, Hugging Face's default cache would hold "
+                  f"{_mib(result['hf_cache_bytes'])}]", file=sys.stderr)
     return {"model": args.model, "window": chat.cache.window, "sinks": args.sinks,
             "turns": len(turns), "tokens": chat.ids.shape[1], "cache_bytes": chat.cache.nbytes}
 

@@ -26,10 +26,14 @@ USER, MODEL = "User:", "Assistant:"  # a plain transcript: Gemma 3 270M is a bas
 
 
 class TextOut(BaseStreamer):
-    """Hands each new piece of text to ``write`` as the tokens arrive (the prompt is skipped)."""
+    """Hands each new piece of text to ``write`` as the tokens arrive (the prompt is skipped).
 
-    def __init__(self, tokenizer, write: Callable[[str], None]) -> None:
-        self.tokenizer, self.write = tokenizer, write
+    ``stop``: the text that ends a reply. It is never written: text that may be its beginning
+    is held back until the next tokens show it is not, and the reply ends before it.
+    """
+
+    def __init__(self, tokenizer, write: Callable[[str], None], stop: str | None = None) -> None:
+        self.tokenizer, self.write, self.stop = tokenizer, write, stop
         self.tokens: list[int] = []
         self.shown = 0
         self.prompt_seen = False
@@ -39,19 +43,47 @@ class TextOut(BaseStreamer):
             self.prompt_seen = True
             return
         self.tokens.extend(value.reshape(-1).tolist())
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        self.write(text[self.shown:])
-        self.shown = len(text)
+        self._show(final=False)
 
     def end(self) -> None:
+        self._show(final=True)
         self.write("\n")
 
+    def _show(self, *, final: bool) -> None:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        upto = len(text)
+        if self.stop:
+            at = text.find(self.stop)
+            upto = at if at >= 0 else upto if final else len(text) - held_back(text, self.stop)
+        if upto > self.shown:
+            self.write(text[self.shown:upto])
+            self.shown = upto
 
-def full_cache_bytes(model, tokens: int) -> int:
-    """Bytes Hugging Face's default cache would hold for ``tokens`` on every layer (K and V)."""
+
+def held_back(text: str, stop: str) -> int:
+    """How many characters at the end of ``text`` may begin ``stop`` (so are not shown yet).
+
+    >>> held_back("Sure.\\nUs", "\\nUser:"), held_back("Sure.", "\\nUser:")
+    (3, 0)
+    """
+    return next((n for n in range(min(len(stop) - 1, len(text)), 0, -1)
+                 if stop.startswith(text[-n:])), 0)
+
+
+def hf_cache_bytes(model, tokens: int) -> int:
+    """Bytes Hugging Face's default cache (``DynamicCache``) holds after ``tokens`` tokens.
+
+    Its full layers keep every token; its sliding layers keep the last ``sliding_window - 1``
+    (``DynamicSlidingWindowLayer``: the newest token is attended to, then dropped with the
+    oldest), so on Gemma 3 it already saves most of what the ring does.
+    ``tests/models/test_chat.py`` checks it against a real ``DynamicCache``'s tensors.
+    """
     layout = hf.read_layout(model.config)
     itemsize = next(model.parameters()).element_size()
-    return 2 * len(layout.kinds) * layout.num_kv_heads * layout.head_dim * itemsize * tokens
+    kept = [tokens if kind == "full" or layout.native_window is None
+            else min(tokens, layout.native_window - 1) for kind in layout.kinds]
+    return sum(2 * heads * dim * itemsize * n
+               for heads, dim, n in zip(layout.kv_heads, layout.head_dims, kept, strict=True))
 
 
 def cache_bytes(cache, *, sliding: bool | None = None) -> int:
@@ -78,12 +110,14 @@ class Conversation:
     STOP = f"\n{USER}"
 
     def __init__(self, model, tokenizer, *, window: int | None = None, sinks: int = 0,
-                 stop: str | None = STOP, baseline: bool = False) -> None:
+                 sink_convention: str = "absolute", stop: str | None = STOP,
+                 baseline: bool = False) -> None:
         self.model, self.tokenizer, self.stop = model, tokenizer, stop
         # baseline=True: the same conversation through Hugging Face's own default cache
         self.baseline = baseline
         self.cache = (DynamicCache(config=model.config) if baseline
-                      else hf.RingCache(model, window=window, sinks=sinks))
+                      else hf.RingCache(model, window=window, sinks=sinks,
+                                        sink_convention=sink_convention))
         self.ids = torch.zeros(1, 0, dtype=torch.int64, device=model.device)
         self.at_user = False  # the last reply ended in the stop string (the next user's tag)
 
@@ -96,7 +130,8 @@ class Conversation:
         """Append ``text`` (framed as a user turn unless ``framed=False``), generate the reply.
 
         Returns the reply, its token count, tokens/s (prefill and decode together), and the
-        cache's bytes against a full cache's for the conversation so far. ``interrupted`` is
+        cache's bytes against what Hugging Face's default cache holds for the conversation so
+        far (:func:`hf_cache_bytes`). ``interrupted`` is
         True when Ctrl-C stopped the turn: it is dropped and the conversation is as before it.
         """
         if not isinstance(text, str) or not text.strip():
@@ -108,7 +143,7 @@ class Conversation:
             prompt = "\n" + prompt
         ids = torch.cat([self.ids, self.encode(prompt)], dim=1)
         saved = copy.deepcopy(self.cache)
-        out = TextOut(self.tokenizer, write)
+        out = TextOut(self.tokenizer, write, self.stop)
         stop = {"stop_strings": [self.stop], "tokenizer": self.tokenizer} if self.stop else {}
         start = time.perf_counter()
         try:
@@ -131,4 +166,4 @@ class Conversation:
                 "tokens_per_s": new / seconds, "tokens_so_far": self.ids.shape[1],
                 "cache_bytes": cache_bytes(self.cache),
                 "sliding_bytes": cache_bytes(self.cache, sliding=True),
-                "full_cache_bytes": full_cache_bytes(self.model, self.ids.shape[1] - 1)}
+                "hf_cache_bytes": hf_cache_bytes(self.model, self.ids.shape[1] - 1)}

@@ -14,7 +14,7 @@ from tiny_models import VOCAB, tiny_gemma  # noqa: E402
 
 from ringviz import hf  # noqa: E402
 from ringviz.cli import build_parser, main  # noqa: E402
-from ringviz.models.chat import Conversation, full_cache_bytes  # noqa: E402
+from ringviz.models.chat import Conversation, TextOut, hf_cache_bytes  # noqa: E402
 
 
 class CharTokenizer:
@@ -46,7 +46,44 @@ def test_each_turn_continues_the_cache_and_equals_a_fresh_run():
     assert chat.cache.get_seq_length() == chat.ids.shape[1] - 1
     assert chat.ids.shape[1] > 3 * chat.cache.window  # the rings wrapped
     assert "".join(pieces).strip()
-    assert result["full_cache_bytes"] == full_cache_bytes(chat.model, chat.ids.shape[1] - 1)
+    assert result["hf_cache_bytes"] == hf_cache_bytes(chat.model, chat.ids.shape[1] - 1)
+
+
+def test_hf_cache_bytes_is_what_hugging_face_s_default_cache_holds():
+    """The conversation through Hugging Face's own DynamicCache, measured after every turn:
+    its sliding layers keep W - 1 tokens, its full layer all of them."""
+    chat = Conversation(tiny_gemma(), CharTokenizer(), stop=None, baseline=True)
+    for text in ("hi", "a longer second turn", "third"):
+        chat.turn(text, max_new_tokens=5)
+        held = sum(t.numel() * t.element_size() for layer in chat.cache.layers
+                   for t in (layer.keys, layer.values))
+        assert hf_cache_bytes(chat.model, chat.ids.shape[1] - 1) == held
+    assert chat.ids.shape[1] > chat.model.config.sliding_window  # sliding layers were cut
+
+
+class Pieces:
+    """A tokenizer whose tokens are whole strings, to stream chosen text."""
+
+    def __init__(self, pieces):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+@pytest.mark.parametrize(("pieces", "shown"), [
+    (["Sure", ".", "\nUs", "er:", " next"], "Sure."),  # the stop string arrives in pieces
+    (["Sure", ".", "\nUs", "ually"], "Sure.\nUsually"),  # a false start is shown in the end
+    (["a\nUser: b"], "a"),
+])
+def test_the_stop_string_is_never_streamed(pieces, shown):
+    written = []
+    out = TextOut(Pieces(pieces), written.append, stop="\nUser:")
+    out.put(torch.tensor([0]))  # the prompt
+    for i in range(len(pieces)):
+        out.put(torch.tensor([i]))
+    out.end()
+    assert "".join(written) == shown + "\n"
 
 
 def test_a_turn_stopped_by_ctrl_c_is_dropped_and_the_conversation_goes_on():
@@ -127,6 +164,6 @@ def test_chat_command_holds_the_conversation_and_prints_numbers_each_turn(monkey
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["chat", "--sinks", "2", "--max-new-tokens", "5", "--json"]) == 0
     out, err = capsys.readouterr()
-    assert err.count("tokens/s") == 2 and "a full cache would hold" in err
+    assert err.count("tokens/s") == 2 and "default cache would hold" in err
     assert '"turns": 2' in out.strip().splitlines()[-1]
     assert chat.cache.get_seq_length() == chat.ids.shape[1] - 1
