@@ -586,6 +586,38 @@ class RingKVCache:
         slots once a decode token is written, ``[sinks | ring | chunk]`` before a chunk is."""
         return step_key_positions(self.positions, q_positions, self.sinks, self.capacity)
 
+    def grown(self, window: int, capacity: int) -> RingKVCache:
+        """A ring of ``window`` and ``capacity`` holding what this one holds, each key in its
+        home slot for the new capacity; this ring is left as it was.
+
+        For a ring that grows with its tokens (``ringviz.hf``: never more slots than tokens).
+        Each row holds at most its last ``self.capacity`` positions, so they stay distinct
+        modulo a capacity as large or larger, and nothing is lost. What the host knew
+        (:class:`Told`) still holds: the same rows, the same positions.
+        """
+        capacity = check_int("capacity", capacity, self.capacity)
+        window = check_int("window", window, self.window)
+        if window > capacity:
+            raise ValueError(f"window {window} is larger than capacity {capacity}")
+        new = RingKVCache(self.batch_size, self.num_kv_heads, window, self.head_dim,
+                          sinks=self.sinks, sink_rope=self.sink_rope, capacity=capacity,
+                          dtype=self.dtype, device=self.device)
+        held = self.positions >= 0  # (B, S + C)
+        slot = torch.where(held, home_slots(self.positions, self.sinks, capacity), new._spare)
+        B, H, n, D = self.k.shape
+        index = slot[:, None, :, None].expand(B, H, n, D)
+        new._k_store.scatter_(2, index, self.k)
+        new._v_store.scatter_(2, index, self.v)
+        new._pos_store.scatter_(1, slot, self.positions)
+        for store in (new._k_store, new._v_store):  # empty slots wrote into the spare
+            store[:, :, new._spare].zero_()
+        new._pos_store[:, new._spare] = -1
+        new._last_pos.copy_(self._last_pos)
+        new._runs.copy_(self._runs)
+        new._runs_since, new._runs_known = self._runs_since, self._runs_known
+        new._least, new._newest = self._least, self._newest
+        return new
+
     # ------------------------------------------------------------------ rows
     def take_rows(self, index: torch.Tensor, *, check: bool = True) -> None:
         """Make row ``i`` what row ``index[i]`` is now (beam search's reorder, repeat, select).

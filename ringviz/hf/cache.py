@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ringviz.attention import attend
-from ringviz.cache import MakeStep, RingKVCache, step_key_positions
+from ringviz.cache import MakeStep, RingKVCache, check_truncate, step_key_positions
 from ringviz.checks import check_int, check_sinks
 from ringviz.hf.config import read_layout
 from ringviz.hf.rotary import check_rope, model_sink_rope, rope_layers
@@ -147,18 +147,44 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         self.make_step, self.other = make_step, None  # another ring's step, once made
         # ``draft`` spare slots let a rejected draft of up to that many tokens be cropped: the
         # ring holds window + draft positions, so the keys the next query needs survive
-        self.capacity = window + draft
+        self.draft = draft
         self.is_croppable = draft > 0
+        # ring slots now: None until the first fit or use (then window + draft unless fit to
+        # fewer); a ring fit to its tokens grows with them (:meth:`fit`)
+        self.capacity: int | None = None
         self.ring: RingKVCache | None = None
         # tokens (columns, padding included) given so far: a 0-d tensor updated in place, so a
         # compiled decode step does not specialise (and recompile) on its value
         self.columns = torch.zeros((), dtype=torch.int64)
 
+    @property
+    def full(self) -> int:
+        """Ring slots once grown: the window and the draft slots."""
+        return self.window + self.draft
+
+    @property
+    def slots(self) -> int:
+        """Ring slots now, or once allocated (the full ring unless :meth:`fit` said fewer)."""
+        return self.full if self.capacity is None else self.capacity
+
+    def fit(self, tokens: int, spare: int = 0) -> None:
+        """Grow (never shrink) to what a forward that brings the columns to ``tokens`` needs:
+        ``tokens`` slots while they fit the window (no position reaches a slot twice: nothing
+        wraps), then the window and ``spare`` draft slots (at most ``draft``)."""
+        target = tokens if tokens <= self.window else self.window + min(spare, self.draft)
+        if target <= (self.capacity or 0) or self.make_step is not None:
+            return
+        self.capacity = target
+        if self.ring is not None:
+            self.ring = self.ring.grown(min(self.window, target), target)
+            self.keys, self.values = self.ring.k, self.ring.v
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
-        self.ring = RingKVCache(B, H, self.window, D, sinks=self.sinks, sink_rope=self.sink_rope,
-                                capacity=self.capacity, dtype=key_states.dtype,
-                                device=key_states.device)
+        self.capacity = self.slots
+        self.ring = RingKVCache(B, H, min(self.window, self.capacity), D, sinks=self.sinks,
+                                sink_rope=self.sink_rope, capacity=self.capacity,
+                                dtype=key_states.dtype, device=key_states.device)
         self.keys, self.values = self.ring.k, self.ring.v
         self.columns = self.columns.to(key_states.device)
         self.is_initialized = True
@@ -171,7 +197,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool ``(B, 1, T, K)``: which keys of :meth:`step` each query sees."""
         stored = self.ring.positions if self.ring is not None else None
-        keys = step_key_positions(stored, q_positions, self.sinks, self.capacity)
+        keys = step_key_positions(stored, q_positions, self.sinks, self.slots)
         return band_mask(q_positions, keys, self.window, self.sinks)[:, None]
 
     def plain_causal(self, T: int) -> bool:
@@ -194,6 +220,9 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         """
         if self.make_step is not None:
             return self._other_step(query, key, value, positions, scale)
+        if torch.compiler.is_compiling() and self.slots != self.full:
+            raise RuntimeError(f"a compiled step needs the ring at its full {self.full} slots "
+                               f"(it holds {self.slots}): it cannot grow inside a graph")
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         if causal and query.shape[2] == key.shape[2]:
@@ -246,13 +275,13 @@ class RingLayer(RowsMixin, CacheLayerMixin):
             self.keys, self.values = self.ring.k, self.ring.v
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.sinks + self.capacity + (query_length if query_length > 1 else 0), 0
+        return self.sinks + self.slots + (query_length if query_length > 1 else 0), 0
 
     def get_seq_length(self) -> torch.Tensor:
         return self.columns
 
     def get_max_length(self) -> int:
-        return self.sinks + self.capacity
+        return self.sinks + self.full
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens of every row (a rejected draft).
@@ -260,13 +289,21 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         :meth:`RingKVCache.truncate`, which raises (changing nothing) unless every row still
         holds the window its next query needs: true for drafts up to the spare slots.
         """
+        n = self.check_crop(tokens_to_remove)
+        if n and self.ring is not None:
+            self.ring.truncate(self.ring.lengths - n, check=False)
+            self.columns.sub_(n)
+
+    def check_crop(self, tokens_to_remove: int) -> int:
+        """Raise what :meth:`crop` would (changing nothing); else the tokens it removes."""
         n = -tokens_to_remove
         if n and self.make_step is not None:
             raise NotImplementedError("a ring step given through make_step keeps its own "
                                       "storage: a crop needs RingCache's rings (draft=K)")
         if n and self.ring is not None:
-            self.ring.truncate(self.ring.lengths - n)
-            self.columns.sub_(n)
+            check_truncate(self.ring.lengths - n, self.ring.positions, self.ring.lengths - 1,
+                           window=self.ring.window, capacity=self.ring.capacity)
+        return n
 
     @property
     def nbytes(self) -> int:
@@ -282,9 +319,10 @@ class RingLayer(RowsMixin, CacheLayerMixin):
 class FullLayer(RowsMixin, CacheLayerMixin):
     """A full-attention layer: row ``b``'s token at position ``p`` lives in slot ``p``.
 
-    Storage holds the tokens that arrived and grows by doubling (amortised O(1) per token,
-    never a copy of the whole history per step, never reserved for ``max_new_tokens``); one
-    spare slot past the end takes padding writes. Slot ``j`` holds position ``j``:
+    Storage holds exactly the tokens that arrived (a copy into larger storage when more
+    arrive, as Hugging Face's ``torch.cat`` does; never reserved for ``max_new_tokens``, so
+    never more than Hugging Face's own layer holds) unless a driver that knows its length
+    reserves it (:meth:`RingCache.reserve`); one spare slot past the end takes padding writes. Slot ``j`` holds position ``j``:
     a row's positions count its real tokens (``0, 1, 2, ...`` after its padding), so they never
     pass its column, the stored positions are implicit, and a query at ``p`` sees ``0..p``.
     """
@@ -348,9 +386,9 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         if not real and self.dense:  # a chunk's one host read; a decode column may be padding
             self.dense = T > 1 and bool((positions >= 0).all())
         need = self.columns + T  # positions never pass column indices, so slots stay < need
-        if need > self.allocated:
+        if need > self.allocated:  # exactly what is held: never more than HF's own layer
             self._allocate(self.keys[:, :, :self.columns], self.values[:, :, :self.columns],
-                           max(need, 2 * self.allocated))
+                           need)
         if real and not self.columns:  # a first chunk of real tokens: token j to slot j
             self._k_store[:, :, :T] = key
             self._v_store[:, :, :T] = value
@@ -458,10 +496,19 @@ class RingCache(Cache):
     make_step (:data:`ringviz.cache.MakeStep`, the seam the conformance kit tests), so a
     pitfall of the kit's catalogue runs inside a real model in one line.
 
-    ``draft=K`` gives every ring ``K`` spare slots (capacity ``window + K``, masks still
-    ``window``), so :meth:`crop` can take back a rejected draft of up to ``K`` tokens: assisted
-    decoding and prompt lookup (chapter 13's rollback), which :func:`~ringviz.hf.generate`
-    sizes from the call.
+    ``draft=K`` lets every ring take up to ``K`` spare slots (capacity up to ``window + K``,
+    masks still ``window``), so :meth:`crop` can take back a rejected draft of up to ``K``
+    tokens: assisted decoding and prompt lookup (chapter 13's rollback), which
+    :func:`~ringviz.hf.generate` sizes from the call.
+
+    Memory, what is allocated when: nothing before the first forward. A ring grows with its
+    tokens (exactly: a copy into larger storage, as Hugging Face's ``torch.cat`` does) until it
+    holds ``window``, then stays; it grows spare slots only for the drafts that arrive (one
+    verified chunk of ``T`` reply tokens may lose ``T - 1``). A full layer holds exactly its
+    tokens. So at every length a RingCache holds what Hugging Face's default cache holds, plus
+    per layer one spare slot for padding writes (and on sliding layers the ``W``-th key HF drops
+    after attending) and each slot's stored position. A call transformers may compile (on an
+    accelerator) allocates every ring whole first: a compiled step cannot grow one.
 
     One forward: transformers asks the mask hook for each layer kind's mask, and the first ask
     fills :attr:`plan` (:meth:`make_plan`); each layer's ``update`` then hands its new tokens on,
@@ -624,6 +671,7 @@ class RingCache(Cache):
         else:
             seen = self.layers[0].get_seq_length()  # a tensor for a ring layer: no host sync
             positions = positions_from_mask(attention_mask, seen, batch, T, device)
+        self._fit_rings(T)
         no_mask = attention_mask is None and self.given_positions is None
         real, unmasked = self._plan(positions, no_mask or self.given_real)
         masks = {kind: self._all_visible(kind, batch, positions.device) if kind in unmasked
@@ -631,6 +679,27 @@ class RingCache(Cache):
         causal = self._causal(T) if real else frozenset()
         self.plan.fill(positions, masks, unmasked=unmasked, causal=causal, real=real)
         return self.plan
+
+    def _fit_rings(self, T: int) -> None:
+        """Grow each ring to what this forward's ``T`` columns need (:meth:`RingLayer.fit`), on
+        the host count of columns. The tokens of a reply in a chunk (drafts being verified:
+        every one but the first may be taken back; the first verify also carries the prompt)
+        get draft slots; a prompt's never are. Not under torch.compile: a compiled step's
+        rings are full (:meth:`fit_full`, and its step checks).
+        """
+        if torch.compiler.is_compiling():
+            return
+        after = self._columns + T
+        spare = max(0, min(T - 1, after - self.prompt[0])) if self.prompt is not None else 0
+        for layer in self.layers:
+            if isinstance(layer, RingLayer):
+                layer.fit(after, spare=spare)
+
+    def fit_full(self) -> None:
+        """Grow every ring to its window and draft slots now (a compiled step cannot grow)."""
+        for layer in self.layers:
+            if isinstance(layer, RingLayer):
+                layer.fit(layer.window + 1, spare=layer.draft)
 
     def _plan(self, positions: torch.Tensor, vouched: bool) -> tuple[bool, frozenset[str]]:
         """Whether this forward's tokens are all real (each row's next positions), and the
@@ -684,6 +753,11 @@ class RingCache(Cache):
         self.refused = None
         self.end_forward()
 
+    def sync_columns(self, columns: int) -> None:
+        """Tell the host the columns every layer holds (read by a caller that synced): a
+        compiled step counts nothing on the host (:meth:`_plan`), so a call starts from this."""
+        self._columns = columns
+
     def reserve(self, tokens: int) -> None:
         """Size the full layers for ``tokens`` at first use (they still grow past it)."""
         for layer in self.layers:
@@ -693,8 +767,10 @@ class RingCache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (assisted decoding's rejected drafts).
 
-        Served for up to :attr:`draft` tokens, the rings' spare slots; more raises (changing
-        nothing): the ring has evicted what it would roll back to.
+        Served for up to :attr:`draft` tokens, and for the drafts of the last chunk the rings
+        grew spare slots for (:meth:`_fit_rings`: as many as the reply tokens the chunk
+        brought, so generate's crop of a rejected draft always fits); more raises, changing
+        nothing: a ring has evicted what it would roll back to.
         """
         n = -int(tokens_to_remove)
         if tokens_to_remove > 0 or n > self.draft:
@@ -703,6 +779,9 @@ class RingCache(Cache):
                 f"{self.draft} rejected draft tokens; past that a ring has evicted the tokens a "
                 f"crop would roll back to (build RingCache(model, draft=K) for drafts up to K)")
         if n:
+            for layer in self.layers:  # every ring checked before any layer forgets
+                if isinstance(layer, RingLayer):
+                    layer.check_crop(-n)
             for layer in self.layers:
                 layer.crop(-n)
             self._columns -= n

@@ -181,6 +181,14 @@ def draft_tokens(model, kwargs: dict, config, prompt_length: int) -> int:
     return max(1, int(config.max_length) - prompt_length)
 
 
+def compiles(model, config: GenerationConfig) -> bool:
+    """Whether transformers may compile this call's decode step: on an accelerator unless
+    ``disable_compile``, or wherever a ``compile_config`` asks (a superset of its own test)."""
+    if config.disable_compile:
+        return False
+    return model.device.type != "cpu" or config.compile_config is not None
+
+
 def _generation_config(model, kwargs: dict) -> GenerationConfig:
     """The generation config this call would use (a copy: the model's stays untouched)."""
     config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
@@ -254,6 +262,9 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
                                     kwargs.get("attention_mask"), config)
     check_mask_holes(cache, mask)
     before = cache.seen_columns()  # raises for a cache a failed call left refused
+    cache.sync_columns(before)
+    if compiles(model, config):  # a compiled decode step cannot grow a ring
+        cache.fit_full()
     if source is not None:
         check_continuation(cache, before, source.shape[1], source.shape[0], mask)
     if embeds is not None and config.prefill_chunk_size is not None:

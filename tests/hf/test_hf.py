@@ -159,10 +159,79 @@ def test_ring_bytes_flat_from_20_to_2000_tokens():
     assert cache.get_seq_length() == 10 + 2000 - 1  # the last token is never fed back
     assert streamer.ring_bytes[20] == streamer.ring_bytes[2000 + 9] > 0
     full = [layer for layer in cache.layers if isinstance(layer, hf.FullLayer)]
-    assert 10 + 2000 <= full[0].allocated < 2 * (10 + 2000)  # grown by doubling, not reserved
+    assert full[0].allocated == 10 + 2000 - 1  # what it holds: not doubled, not reserved
 
 
-def test_full_layer_grows_geometrically_without_a_reserve():
+def kv_slot_bytes(model) -> list[int]:
+    """Per layer: bytes of one token's key and value."""
+    layout = hf.read_layout(model)
+    itemsize = next(model.parameters()).element_size()
+    return [2 * h * d * itemsize for h, d in zip(layout.kv_heads, layout.head_dims, strict=True)]
+
+
+def ring_kv_bytes(cache) -> int:
+    """Keys and values a RingCache holds (its stored positions apart)."""
+    total = 0
+    for layer in cache.layers:
+        store = layer.ring if isinstance(layer, hf.RingLayer) else layer
+        if store is not None and getattr(store, "_k_store", None) is not None:
+            total += sum(t.numel() * t.element_size() for t in (store._k_store, store._v_store))
+    return total
+
+
+@pytest.mark.parametrize(("window", "prompt_length", "new"), [(None, 3, 12), (None, 9, 8),
+                                                              (100_000, 17, 6)])
+def test_ring_memory_never_above_hf_default_cache(window, prompt_length, new):
+    """At every length, the ring's keys and values are within two token slots per layer of
+    what Hugging Face's default cache holds (its sliding layers keep W - 1, a ring W; a ring and
+    a full layer each have one spare slot for padding writes): rings grow with their tokens to
+    W, full layers hold exactly their tokens. Measured after every token generate hands over.
+    A window of 100,000 on Llama (every layer a ring; HF's default cache keeps every token)
+    holds the tokens it has, not its window (105.6 MB for 17 tokens on Gemma-3-270M before)."""
+    from ringviz.models.chat import hf_cache_bytes
+    model = (tiny_llama if window else tiny_gemma)(dtype=torch.float32)
+    cache = hf.RingCache(model, window=window)
+    seen = {}
+
+    class Measure(Collect):
+        def put(self, value):
+            seen[int(cache.get_seq_length())] = ring_kv_bytes(cache)
+
+    hf.generate(model, prompt(prompt_length), cache=cache, max_new_tokens=new,
+                min_new_tokens=new, do_sample=False, streamer=Measure())
+    allowance = 2 * sum(kv_slot_bytes(model))
+    assert seen.pop(0) == 0  # the prompt is handed over before any forward
+    assert sorted(seen) == list(range(prompt_length, prompt_length + new))
+    for tokens, held in seen.items():
+        assert held <= hf_cache_bytes(model, tokens) + allowance, tokens
+    if window:  # a ring of 100,000 slots holds the tokens it has, not its window
+        assert all(layer.slots <= prompt_length + new for layer in cache.layers
+                   if isinstance(layer, hf.RingLayer))
+
+
+def test_a_ring_that_grew_equals_one_allocated_whole():
+    """Growing keeps every key where the slot rule puts it: logits equal to a ring that was
+    allocated at its window (and draft slots) from the first token, with sinks of both
+    conventions and a left-padded batch."""
+    model = tiny_gemma()
+    ids = prompt(7, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    for sinks, convention in ((0, "absolute"), (2, "absolute"), (2, "cache")):
+        runs = []
+        for whole in (False, True):
+            cache = hf.RingCache(model, sinks=sinks, sink_convention=convention, draft=3)
+            if whole:
+                cache.fit_full()
+            runs.append(run(hf.generate, model, ids, cache=cache, attention_mask=mask,
+                            max_new_tokens=9))
+            slots = {layer.slots for layer in cache.layers if isinstance(layer, hf.RingLayer)}
+            assert slots == ({6 + 3} if whole else {6})  # no draft: nothing was taken back
+        assert torch.equal(runs[0].sequences, runs[1].sequences)
+        assert max_score_diff(runs[0], runs[1]) == 0.0
+
+
+def test_full_layer_holds_exactly_its_tokens_without_a_reserve():
     layer = hf.FullLayer()
     k = torch.zeros(1, 1, 1, 2)
     allocated = set()
@@ -172,7 +241,7 @@ def test_full_layer_grows_geometrically_without_a_reserve():
         out = layer.step(k + 1, k + p, k + p, pos, layer.mask(pos), scale=1.0)
         allocated.add(layer.allocated)
     assert layer.columns == 100 and layer.keys[0, 0, :100, 0].tolist() == list(range(100))
-    assert allocated == {1, 2, 4, 8, 16, 32, 64, 128}
+    assert allocated == set(range(1, 101))
     assert 0 < float(out.max()) < 99  # the last query averaged over every stored value
 
 

@@ -47,9 +47,35 @@ def test_assisted_decoding_equals_plain_greedy(make, helper, monkeypatch):
     assert torch.equal(out.sequences, ref.sequences)
     assert max_score_diff(out, ref) < F64
     draft = 4 if helper == "prompt_lookup" else 20  # transformers' constant schedule
-    assert out.cache.draft == draft and out.cache.layers[0].ring.capacity == W + draft
+    assert out.cache.draft == draft and W < out.cache.layers[0].ring.capacity <= W + draft
     if helper == "other_assistant":
         assert max(crops) > 2 * W  # rejected drafts longer than the window were taken back
+
+
+def test_heuristic_drafts_take_the_slots_they_use_not_max_new_tokens(monkeypatch):
+    """The heuristic schedule may draft up to every new token, so the cache allows a draft of
+    max_new_tokens; the rings grow draft slots only for the drafts that come (one verified
+    chunk of T tokens may lose T - 1), not 500 slots up front (267,168 bytes before, on W = 5).
+    """
+    model = tiny_mistral()
+    W, new = model.config.sliding_window, 120
+    assistant = copy.deepcopy(model)  # every draft accepted: the schedule grows them by 2
+    assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
+    assistant.generation_config.assistant_confidence_threshold = 0.0
+    chunks = []
+    real = hf.RingCache._fit_rings
+
+    def spy(self, T):
+        chunks.append(min(T - 1, self._columns + T - self.prompt[0]))  # drafts in the chunk
+        return real(self, T)
+
+    monkeypatch.setattr(hf.RingCache, "_fit_rings", spy)
+    ids = prompt(2 * W)
+    out = run(hf.generate, model, ids, max_new_tokens=new, assistant_model=assistant)
+    assert torch.equal(out.sequences, run(None, model, ids, max_new_tokens=new).sequences)
+    longest = max(chunks)
+    assert out.cache.draft == new and 5 < longest < new // 2
+    assert out.cache.layers[0].ring.capacity == W + longest
 
 
 def test_a_cache_without_enough_spare_slots_is_refused_up_front():
@@ -64,17 +90,23 @@ def test_a_cache_without_enough_spare_slots_is_refused_up_front():
 
 
 def test_crop_past_the_spare_slots_raises_and_changes_nothing():
+    """A crop past ``draft`` is refused by the cache; one past the draft slots the rings grew
+    (for the drafts that came: none here, the lookup found no match) by the ring, naming the
+    positions it no longer holds. Neither changes anything; a crop the ring can serve works."""
     model = tiny_gemma()
     out = run(hf.generate, model, prompt(20), max_new_tokens=3, prompt_lookup_num_tokens=3)
     cache = out.cache
+    assert cache.layers[0].ring.capacity == model.config.sliding_window  # no draft came
     before = cache.layers[0].ring.positions.clone(), int(cache.get_seq_length())
-    with pytest.raises(NotImplementedError, match="spare slots for 3"):
-        cache.crop(-4)
-    assert torch.equal(cache.layers[0].ring.positions, before[0])
-    assert int(cache.get_seq_length()) == before[1]
-    cache.crop(-3)
-    assert int(cache.get_seq_length()) == before[1] - 3
-    assert int(cache.layers[1].get_seq_length()) == before[1] - 3
+    for n, error, match in ((4, NotImplementedError, "spare slots for 3"),
+                            (3, ValueError, "overwrote them")):
+        with pytest.raises(error, match=match):
+            cache.crop(-n)
+        assert torch.equal(cache.layers[0].ring.positions, before[0])
+        assert int(cache.get_seq_length()) == before[1]
+    cache.crop(-1)
+    assert int(cache.get_seq_length()) == before[1] - 1
+    assert int(cache.layers[1].get_seq_length()) == before[1] - 1
 
 
 def test_other_candidate_generators_are_refused_with_the_reason():

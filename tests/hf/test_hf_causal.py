@@ -98,13 +98,13 @@ def test_without_a_mask_the_prompt_is_real_too(monkeypatch, chunks):
         with torch.no_grad(), hf.ring_active(model, cache), HostReads() as mode:
             cache.prompt = told  # (columns, fewest real tokens of a row), as generate tells it
             model(input_ids=prompt(4), cache=cache, attention_mask=torch.ones(1, 4))
-            ring = cache.layers[0].ring  # 4 of its 5 slots: full after one more token
-            return mode.count, cache.plan.causal, (ring.window_full, ring.full_after(1))
+            ring = cache.layers[0].ring  # grown to its 4 tokens, every slot known to be held
+            return mode.count, cache.plan.causal, (ring.capacity, ring.window_full)
 
     reads, causal, full = prefill((4, 4))
-    assert (causal, full) == (frozenset({"sliding"}), (False, True))
+    assert (causal, full) == (frozenset({"sliding"}), (4, True))
     padded_reads, causal, full = prefill((4, 3))  # told it may hold padding: it reads back
-    assert (causal, full) == (frozenset(), (False, True)) and padded_reads > reads
+    assert (causal, full) == (frozenset(), (4, True)) and padded_reads > reads
     chunks.clear()
     fast, masked = generate_both(monkeypatch, model, prompt(4), max_new_tokens=6,
                                  min_new_tokens=6)

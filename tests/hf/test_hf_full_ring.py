@@ -68,14 +68,15 @@ def test_ragged_rows_unmask_when_the_last_row_is_full(monkeypatch, plans, dtype)
 
 
 def test_short_prompt_fills_the_ring_while_decoding(monkeypatch, plans):
-    """No padding, a prompt of 3 into rings of 6: full layers unmask at once, sliding ones
-    once 6 tokens are in."""
+    """No padding, a prompt of 3 into rings of 6: every layer unmasks at once. A ring grows
+    with its tokens (to 6 slots), so each decode step sees every key it holds."""
     model = tiny_gemma()
     kwargs = {"attention_mask": torch.ones(2, 3, dtype=torch.long), "max_new_tokens": 9,
               "min_new_tokens": 9}
     fast = run(hf.generate, model, prompt(3, batch=2), **kwargs)
     decode = [kinds for T, kinds in plans if T == 1]
-    assert decode == [frozenset({"full"})] * 2 + [frozenset({"full", "sliding"})] * 6
+    assert decode == [frozenset({"full", "sliding"})] * 8
+    assert [layer.ring.capacity for layer in fast.cache.layers if layer.is_sliding] == [6, 6]
     monkeypatch.undo()
     masked_everywhere(monkeypatch)
     assert_bitwise(fast, run(hf.generate, model, prompt(3, batch=2), **kwargs))
@@ -95,7 +96,7 @@ def test_forwards_outside_generate_count_only_what_they_are_told():
         model(input_ids=prompt(2), cache=cache)
         for n in range(3, 6):
             model(input_ids=prompt(1), cache=cache)
-            assert cache.plan.unmasked == (frozenset({"full"}) if n >= W else frozenset())
+            assert cache.plan.unmasked == frozenset({"full"})  # a ring grown to n (to W) slots
     cache = hf.RingCache(model, window=W)
     with torch.no_grad(), hf.ring_active(model, cache):
         model(input_ids=prompt(2), cache=cache, attention_mask=torch.ones(1, 2))
