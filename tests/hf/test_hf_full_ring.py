@@ -96,7 +96,8 @@ def test_forwards_outside_generate_count_only_what_they_are_told():
         model(input_ids=prompt(2), cache=cache)
         for n in range(3, 6):
             model(input_ids=prompt(1), cache=cache)
-            assert cache.plan.unmasked == frozenset({"full"})  # a ring grown to n (to W) slots
+            assert cache.plan.unmasked == frozenset({"full"})  # a ring grown to its tokens
+            assert cache.layers[0].ring.capacity == min(n, W)
     cache = hf.RingCache(model, window=W)
     with torch.no_grad(), hf.ring_active(model, cache):
         model(input_ids=prompt(2), cache=cache, attention_mask=torch.ones(1, 2))
