@@ -323,8 +323,9 @@ class FullLayer(RowsMixin, CacheLayerMixin):
     arrive, as Hugging Face's ``torch.cat`` does; never reserved for ``max_new_tokens``, so
     never more than Hugging Face's own layer holds) unless a driver that knows its length
     reserves it (:meth:`RingCache.reserve`); one spare slot past the end takes padding writes.
-    Slot ``j`` holds position ``j``: a row's positions count its real tokens (``0, 1, 2, ...`` after its padding), so they never
-    pass its column, the stored positions are implicit, and a query at ``p`` sees ``0..p``.
+    Slot ``j`` holds position ``j``: a row's positions count its real tokens (``0, 1, 2, ...``
+    after its padding), so they never pass its column, the stored positions are implicit, and
+    a query at ``p`` sees ``0..p``.
     """
 
     is_sliding = False
