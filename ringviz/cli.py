@@ -13,6 +13,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from ringviz.checks import SINK_CONVENTIONS
+
 
 def _int_list(text: str) -> list[int]:
     """Parse "16,64,256" into [16, 64, 256]."""
@@ -133,7 +135,13 @@ def _conversation(args: argparse.Namespace):
 
     model, tokenizer = load_model(args.model)
     return Conversation(model, tokenizer, window=args.window, sinks=args.sinks,
+                        sink_convention=_sink_convention(args),
                         stop=None if args.command == "generate" else Conversation.STOP)
+
+
+def _sink_convention(args: argparse.Namespace) -> str:
+    """The convention asked for; by default StreamingLLM's where there are sinks."""
+    return args.sink_convention or ("cache" if args.sinks else "absolute")
 
 
 def _cmd_generate(args: argparse.Namespace) -> dict:
@@ -142,13 +150,15 @@ def _cmd_generate(args: argparse.Namespace) -> dict:
     write = (lambda _: None) if args.json else (lambda t: print(t, end="", flush=True))
     result = chat.turn(args.prompt, max_new_tokens=args.max_new_tokens, write=write,
                        framed=False)
-    return {"model": args.model, "window": chat.cache.window, "sinks": args.sinks, **result}
+    return {"model": args.model, "window": chat.cache.window, "sinks": args.sinks,
+            "sink_convention": chat.cache.sink_convention, **result}
 
 
 def _cmd_chat(args: argparse.Namespace) -> dict:
     """Turn after turn from stdin (an empty line or EOF ends); numbers after each turn."""
     chat = _conversation(args)
-    print(f"{args.model}, ring window {chat.cache.window}, {args.sinks} sinks; an empty line "
+    print(f"{args.model}, ring window {chat.cache.window}, {args.sinks} sinks "
+          f"({chat.cache.sink_convention} positions); an empty line "
           f"ends, Ctrl-C stops a reply", file=sys.stderr)
     turns = []
     while True:
@@ -272,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="ring window W (default: the model's own; smollm2 needs one)")
         p.add_argument("--sinks", type=_non_negative_int, default=0 if p is gen else 4,
                        help="attention sinks kept beside each ring")
+        p.add_argument("--sink-convention", choices=SINK_CONVENTIONS, default=None,
+                       help="the sinks' RoPE positions: 'cache' (StreamingLLM's, inside the "
+                            "cache: no key farther than the window plus the sinks; the default "
+                            "with sinks) or 'absolute' (their own: farther than any distance a "
+                            "model trained with a window has seen)")
         p.add_argument("--max-new-tokens", type=_positive_int, default=default,
                        help="tokens per reply")
     gen.add_argument("--prompt", required=True, help="the text to continue")

@@ -167,3 +167,21 @@ def test_chat_command_holds_the_conversation_and_prints_numbers_each_turn(monkey
     assert err.count("tokens/s") == 2 and "default cache would hold" in err
     assert '"turns": 2' in out.strip().splitlines()[-1]
     assert chat.cache.get_seq_length() == chat.ids.shape[1] - 1
+
+
+@pytest.mark.parametrize(("argv", "convention"), [
+    (["chat"], "cache"),  # 4 sinks by default: StreamingLLM's positions
+    (["chat", "--sinks", "0"], "absolute"),
+    (["chat", "--sink-convention", "absolute"], "absolute"),
+    (["generate", "--model", "gemma3", "--prompt", "x"], "absolute"),  # no sinks
+    (["generate", "--model", "gemma3", "--prompt", "x", "--sinks", "2"], "cache"),
+])
+def test_the_cli_chooses_the_sink_convention(argv, convention):
+    import ringviz.cli as cli
+    assert cli._sink_convention(build_parser().parse_args(argv)) == convention
+
+
+def test_the_cli_refuses_an_unknown_sink_convention(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["chat", "--sink-convention", "relative"])
+    assert "invalid choice" in capsys.readouterr().err
