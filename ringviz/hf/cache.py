@@ -126,7 +126,8 @@ class RowsMixin:
 
 
 class RingLayer(RowsMixin, CacheLayerMixin):
-    """A sliding layer: a :class:`RingKVCache` of ``window`` slots per row, made on first use.
+    """A sliding layer: a :class:`RingKVCache` of up to ``window`` slots per row, made on first
+    use and grown with its tokens (:meth:`fit`) until it holds the window, then fixed.
 
     ``sinks=S`` keeps each row's first ``S`` positions in ``S`` more slots (attention sinks);
     ``sink_rope`` is the ring's convention for them (None: absolute positions; a rotation:
@@ -138,7 +139,9 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     """
 
     is_sliding = True
-    is_compileable = True  # fixed shapes; the token count is a tensor, as in HF's StaticLayer
+    # fixed shapes once whole (a call that may compile makes it whole first: RingCache.fit_full);
+    # the token count is a tensor, as in HF's StaticLayer
+    is_compileable = True
 
     def __init__(self, window: int, *, sinks: int = 0, sink_rope: Rope | None = None,
                  draft: int = 0, make_step: MakeStep | None = None) -> None:
