@@ -658,12 +658,16 @@ class RingKVCache:
         slots (chapter 13). ``check=False`` skips the check and its host sync.
         """
         if check:
-            check_truncate(lengths, self.positions, self._last_pos, window=self.window,
-                           capacity=self.capacity)
+            self.check_truncation(lengths)
         lengths = lengths.to(torch.int64)
         self._pos_store.masked_fill_(self._pos_store >= lengths[:, None], -1)
         torch.minimum(self._last_pos, lengths - 1, out=self._last_pos)
         self._commit(Told())  # how many of each row's positions are left is not known
+
+    def check_truncation(self, lengths: torch.Tensor) -> None:
+        """Raise what :meth:`truncate` would refuse (:func:`check_truncate`), changing nothing."""
+        check_truncate(lengths, self.positions, self._last_pos, window=self.window,
+                       capacity=self.capacity)
 
     def missing_positions(self, lengths: torch.Tensor) -> list[list[int]]:
         """Per row b: positions a query at ``lengths[b]`` needs, ``lengths[b] - W + 1 ..

@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ringviz.attention import attend
-from ringviz.cache import MakeStep, RingKVCache, check_truncate, step_key_positions
+from ringviz.cache import MakeStep, RingKVCache, step_key_positions
 from ringviz.checks import check_int, check_sinks
 from ringviz.hf.config import read_layout
 from ringviz.hf.rotary import check_rope, model_sink_rope, rope_layers
@@ -304,8 +304,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
             raise NotImplementedError("a ring step given through make_step keeps its own "
                                       "storage: a crop needs RingCache's rings (draft=K)")
         if n and self.ring is not None:
-            check_truncate(self.ring.lengths - n, self.ring.positions, self.ring.lengths - 1,
-                           window=self.ring.window, capacity=self.ring.capacity)
+            self.ring.check_truncation(self.ring.lengths - n)
         return n
 
     @property
@@ -703,7 +702,7 @@ class RingCache(Cache):
         """Grow every ring to its window and draft slots now (a compiled step cannot grow)."""
         for layer in self.layers:
             if isinstance(layer, RingLayer):
-                layer.fit(layer.window + 1, spare=layer.draft)
+                layer.fit(layer.full, spare=layer.draft)
 
     def _plan(self, positions: torch.Tensor, vouched: bool) -> tuple[bool, frozenset[str]]:
         """Whether this forward's tokens are all real (each row's next positions), and the

@@ -57,14 +57,14 @@ def sliding_families() -> set[str]:
     return found
 
 
-def greedy(fn, model, ids, **kwargs):
+def greedy(fn, ids, **kwargs):
     out = fn(ids, max_new_tokens=NEW, do_sample=False, output_logits=True,
              return_dict_in_generate=True, pad_token_id=0, **kwargs)
     return out.sequences, torch.stack(out.logits)[:, 0]
 
 
 def ring(model, ids, **kwargs):
-    return greedy(lambda i, **kw: hf.generate(model, i, **kw), model, ids, **kwargs)
+    return greedy(lambda i, **kw: hf.generate(model, i, **kw), ids, **kwargs)
 
 
 def prompt() -> torch.Tensor:
@@ -73,7 +73,7 @@ def prompt() -> torch.Tensor:
 
 def check_native(model) -> None:
     ids = prompt()
-    theirs_ids, theirs = greedy(model.generate, model, ids)
+    theirs_ids, theirs = greedy(model.generate, ids)
     ours_ids, ours = ring(model, ids)
     assert torch.equal(ours_ids, theirs_ids)
     assert (ours - theirs).abs().max() < EXACT
