@@ -6,6 +6,11 @@ num_kv_heads, head_dim, dtype=None, device=None)``, which builds one fresh cache
 ``step(q, k, v, positions) -> out`` (see :mod:`ringviz.conformance`). Each is a
 :func:`~ringviz.conformance.seam.prebuilt`: storage is made at once in ``dtype`` on ``device``
 when they are given (the kit gives them), else at the first step from the inputs'.
+
+Some steps also have ``rewind(n)`` ("forget the newest n tokens of every row", for
+``check(..., rewind=True)``): :func:`ringviz_draft`, :func:`ringviz_rows` and
+:func:`mlx_rotating`. :func:`ringviz_rows` takes the rows layout (``check(...,
+layout="rows")``): each row's real tokens, no padding.
 """
 
 from __future__ import annotations
@@ -31,6 +36,89 @@ def ringviz_ring(window: int, sinks: int = 0) -> MakeStep:
     def build(s: StepSpec) -> Step:
         return RingKVCache(s.batch_size, s.num_kv_heads, window, s.head_dim, sinks=sinks,
                            dtype=s.dtype, device=s.device).step
+
+    return prebuilt(build)
+
+
+def _rewind_ring(ring: RingKVCache, n: int) -> None:
+    """Forget each row's newest ``n`` positions (:meth:`RingKVCache.truncate`), or raise
+    :class:`Unsupported` where later tokens overwrote a key the next query needs."""
+    lengths = ring.lengths - n
+    try:
+        ring.check_truncation(lengths)
+    except ValueError as err:
+        raise Unsupported(f"rewind({n}): {err}") from err
+    ring.truncate(lengths, check=False)
+
+
+class DraftStep:
+    """A :class:`~ringviz.RingKVCache`'s ``step`` and ``rewind(n)`` (a speculative decoder's
+    rollback of rejected drafts)."""
+
+    def __init__(self, ring: RingKVCache) -> None:
+        self.ring = ring
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        return self.ring.step(q, k, v, positions)
+
+    def rewind(self, n: int) -> None:
+        """Forget the newest ``n`` tokens of every row."""
+        _rewind_ring(self.ring, n)
+
+
+def ringviz_draft(window: int, sinks: int = 0, drafts: int = 2) -> MakeStep:
+    """ringviz's ring with ``drafts`` draft slots (``capacity = window + drafts``, chapter 13)
+    and a ``rewind``: it takes back up to ``drafts + 1`` tokens once the ring has wrapped (any
+    number before), and raises :class:`Unsupported` for more, whose keys are overwritten.
+
+    >>> import torch
+    >>> step = ringviz_draft(4)(batch_size=1, num_heads=2, num_kv_heads=1, head_dim=8,
+    ...                         dtype=torch.float32, device="cpu")
+    >>> x = torch.zeros(1, 1, 6, 8)
+    >>> _ = step(torch.zeros(1, 2, 6, 8), x, x, torch.arange(6)[None])
+    >>> step.rewind(3)
+    >>> step.ring.lengths.tolist()
+    [3]
+    """
+    def build(s: StepSpec) -> Step:
+        return DraftStep(RingKVCache(s.batch_size, s.num_kv_heads, window, s.head_dim,
+                                     sinks=sinks, capacity=window + drafts, dtype=s.dtype,
+                                     device=s.device))
+
+    return prebuilt(build)
+
+
+class RowsStep:
+    """One ring per row, each fed its own row's tokens: a server's batch, no padding."""
+
+    def __init__(self, rings: list[RingKVCache]) -> None:
+        self.rings = rings
+
+    def __call__(self, q: list[torch.Tensor], k: list[torch.Tensor], v: list[torch.Tensor],
+                 positions: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [ring.step(*(t[None] for t in row))[0] if len(row[3]) else row[0]
+                for ring, row in zip(self.rings, zip(q, k, v, positions), strict=True)]
+
+    def rewind(self, n: int) -> None:
+        """Forget the newest ``n`` tokens of every row (each ring checked before any moves)."""
+        for ring in self.rings:
+            try:
+                ring.check_truncation(ring.lengths - n)
+            except ValueError as err:
+                raise Unsupported(f"rewind({n}): {err}") from err
+        for ring in self.rings:
+            _rewind_ring(ring, n)
+
+
+def ringviz_rows(window: int, sinks: int = 0, drafts: int = 0) -> MakeStep:
+    """The rows layout (``check(..., layout="rows")``): per row, a ring of batch 1 that steps
+    on that row's tokens, ``(Hq, n, D)`` and ``(n,)``; a row with no token yet (``n = 0``)
+    is left alone. ``rewind`` as :func:`ringviz_draft`'s."""
+    def build(s: StepSpec) -> Step:
+        return RowsStep([RingKVCache(1, s.num_kv_heads, window, s.head_dim, sinks=sinks,
+                                     capacity=window + drafts, dtype=s.dtype, device=s.device)
+                         for _ in range(s.batch_size)])
 
     return prebuilt(build)
 
@@ -135,26 +223,47 @@ def mlx_rotating(max_size: int, keep: int = 0, window_size: int | None = None) -
     keep=4)`` in every layer); Gemma 3's sliding layers pass their window. Check it with
     ``window=max_size - keep, sinks=keep``. It has no padding: ragged rows raise. (mlx makes
     its arrays as the keys come, in their dtype: nothing to build up front.)
+
+    ``step.rewind(n)`` is how ``mlx_lm.generate.speculative_generate_step`` rejects drafts:
+    ``trim_prompt_cache([cache], n)``, whose count of tokens trimmed the decoder ignores (it
+    checks ``can_trim_prompt_cache`` once, before the first token). ``step.trimmed`` lists
+    each call's ``(n, trimmed)``.
     """
     def build(s: StepSpec) -> Step:
-        import mlx.core as mx
         from mlx_lm.models.cache import RotatingKVCache
 
-        cache = RotatingKVCache(max_size=max_size, keep=keep)
-
-        def step(q, k, v, positions):
-            if bool((positions < 0).any()):
-                raise ValueError("RotatingKVCache has no padding (one sequence per row, "
-                                 "all rows in step): check it with ragged=False")
-            mask = cache.make_mask(q.shape[2], window_size=window_size)
-            keys, values = cache.update_and_fetch(_to_mx(k), _to_mx(v))
-            out = mx.fast.scaled_dot_product_attention(_to_mx(q), keys, values,
-                                                       scale=q.shape[-1] ** -0.5, mask=mask)
-            return _from_mx(out, q)
-
-        return step
+        return MlxStep(RotatingKVCache(max_size=max_size, keep=keep), window_size)
 
     return prebuilt(build)
+
+
+class MlxStep:
+    """One mlx-lm cache driven as ``mlx_lm.models.base`` drives it, and rewound as
+    ``mlx_lm``'s speculative decoder rewinds it."""
+
+    def __init__(self, cache, window_size: int | None) -> None:
+        self.cache, self.window_size = cache, window_size
+        self.trimmed: list[tuple[int, int]] = []  # (asked, trimmed) per rewind
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        import mlx.core as mx
+
+        if bool((positions < 0).any()):
+            raise ValueError("RotatingKVCache has no padding (one sequence per row, "
+                             "all rows in step): check it with ragged=False")
+        mask = self.cache.make_mask(q.shape[2], window_size=self.window_size)
+        keys, values = self.cache.update_and_fetch(_to_mx(k), _to_mx(v))
+        out = mx.fast.scaled_dot_product_attention(_to_mx(q), keys, values,
+                                                   scale=q.shape[-1] ** -0.5, mask=mask)
+        return _from_mx(out, q)
+
+    def rewind(self, n: int) -> None:
+        """``trim_prompt_cache([cache], n)``, its answer recorded and, as mlx-lm does, not
+        acted on: once the ring has wrapped it trims nothing (mlx-lm #1423)."""
+        from mlx_lm.models.cache import trim_prompt_cache
+
+        self.trimmed.append((n, trim_prompt_cache([self.cache], n)))
 
 
 def mlx_batch_rotating(max_size: int) -> MakeStep:

@@ -2,7 +2,8 @@
 
 Each example is one :class:`~ringviz.conformance.schedule.Schedule` run through fresh caches
 (:func:`~ringviz.conformance.probe.evaluate`). A failing example raises an exception of its
-property's class; hypothesis then shrinks it (fewer, smaller chunks, smaller offsets) while the
+property's class; hypothesis then shrinks it (fewer, smaller chunks, smaller offsets, fewer and
+smaller rewinds) while the
 same property keeps failing, and with ``report_multiple_bugs`` it shrinks each property apart.
 The run is seeded (``@seed``) and keeps no example database, so the same call gives the same
 report.
@@ -19,9 +20,18 @@ from hypothesis.errors import Flaky, Unsatisfiable
 
 from ringviz.cache import MakeStep
 from ringviz.checks import check_int
-from ringviz.conformance.probe import Unsupported, evaluate
+from ringviz.conformance.probe import (
+    LAYOUTS,
+    NUM_HEADS,
+    NUM_KV_HEADS,
+    Unsupported,
+    evaluate,
+    has_rewind,
+    head_dim_for,
+)
 from ringviz.conformance.report import PROPERTIES, Failure, Report
 from ringviz.conformance.schedule import schedules
+from ringviz.conformance.seam import StepSpec
 
 
 class _Broken(Exception):
@@ -69,7 +79,7 @@ def _leaves(err: BaseException) -> list[BaseException]:
 
 def _check_args(make_step: object, window: object, sinks: object, batch_size: object,
                 ragged: object, examples: object, seed: object, dtype: object,
-                max_chunk: object) -> None:
+                max_chunk: object, rewind: object, layout: object) -> None:
     if not callable(make_step):
         raise TypeError(f"make_step must be callable, got {type(make_step).__name__}")
     check_int("window", window)
@@ -86,13 +96,29 @@ def _check_args(make_step: object, window: object, sinks: object, batch_size: ob
                          f"times), got batch_size={batch_size}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    if not isinstance(rewind, bool):
+        raise TypeError(f"rewind must be a bool, got {type(rewind).__name__}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def _check_rewind(make_step: MakeStep, batch_size: int, dtype: torch.dtype,
+                  device: torch.device) -> None:
+    """TypeError unless the step ``make_step`` builds has a ``rewind(n)`` method (a step that
+    cannot be built is left to the run, which reports it)."""
+    spec = StepSpec(batch_size, NUM_HEADS, NUM_KV_HEADS, head_dim_for(1), dtype, device)
+    if has_rewind(make_step, spec) is False:
+        raise TypeError("rewind=True needs a step with a rewind(n) method (forget the newest "
+                        "n tokens of every row); the step make_step built has no callable "
+                        "'rewind'")
 
 
 def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int = 1,
           ragged: bool = False, examples: int = 100, seed: int = 0,
           dtype: torch.dtype = torch.float64, max_chunk: int | None = None,
           device: torch.device | str = "cpu", name: str = "",
-          progress: Callable[[int], None] | None = None) -> Report:
+          progress: Callable[[int], None] | None = None, rewind: bool = False,
+          layout: str = "padded") -> Report:
     """Check a sliding-window cache on ``examples`` schedules; a :class:`Report`, never a raise.
 
     ``make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype, device)`` builds a
@@ -104,12 +130,21 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
     must output finite numbers. ``max_chunk`` caps the chunk sizes (1: decode steps only);
     ``progress(n)`` is called after each schedule run.
 
+    ``rewind=True`` also draws schedules that rewind (:class:`~ringviz.conformance.Rewind`):
+    the step must have a method ``rewind(n)``, "forget the newest n tokens of every row"
+    (TypeError, before any schedule, if it has none); after it a query sees the keys fed
+    since at the forgotten positions, never a forgotten one. ``layout="rows"`` hands each
+    chunk over as each row's real tokens, no padding (shapes in :mod:`ringviz.conformance`).
+
     >>> from ringviz.conformance.adapters import ringviz_ring
     >>> check(ringviz_ring(4), window=4, examples=10).ok
     True
     """
-    _check_args(make_step, window, sinks, batch_size, ragged, examples, seed, dtype, max_chunk)
+    _check_args(make_step, window, sinks, batch_size, ragged, examples, seed, dtype, max_chunk,
+                rewind, layout)
     device = torch.device(device)
+    if rewind:
+        _check_rewind(make_step, batch_size, dtype, device)
     runs, skipped, why = 0, 0, ""
 
     @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
@@ -118,13 +153,13 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
               print_blob=False)
     @hypothesis_seed(seed)
     @given(schedules(window=window, sinks=sinks, batch_size=batch_size, ragged=ragged,
-                     max_chunk=max_chunk))
+                     max_chunk=max_chunk, rewind=rewind))
     def conforms(schedule) -> None:
         nonlocal runs, skipped, why
         runs += 1
         try:
             found = evaluate(make_step, schedule, window=window, sinks=sinks, dtype=dtype,
-                             device=device, seed=seed)
+                             device=device, seed=seed, layout=layout)
         except Unsupported as err:
             skipped, why = skipped + 1, str(err)
             found = None
@@ -152,7 +187,7 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
     return Report(failures=_one_per_property(failures), examples=runs, skipped=skipped,
                   window=window, sinks=sinks, batch_size=batch_size, ragged=ragged,
                   max_chunk=max_chunk, seed=seed, name=name,
-                  dtype=str(dtype).removeprefix("torch."))
+                  dtype=str(dtype).removeprefix("torch."), rewind=rewind, layout=layout)
 
 
 def _one_per_property(failures: list[Failure]) -> list[Failure]:

@@ -23,7 +23,7 @@ import traceback
 import torch
 
 from ringviz import band_mask
-from ringviz.cache import MakeStep
+from ringviz.cache import MakeStep, Step
 from ringviz.conformance.report import Failure
 from ringviz.conformance.schedule import Schedule
 from ringviz.conformance.seam import StepSpec, make
@@ -70,58 +70,131 @@ def described(err: BaseException, frames: int = TRACEBACK_FRAMES) -> str:
     return text + "\n  last frames, innermost last:\n" + "\n".join("  " + ln for ln in lines)
 
 
-def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tensor,
-         v: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Build a fresh cache, feed it the schedule's chunks; ``(B, Hq, N, D)`` outputs, float64."""
-    B, Hq, _, D = q.shape
+LAYOUTS = ("padded", "rows")
+
+
+def _build(make_step: MakeStep, spec: StepSpec) -> Step:
+    """The step of a fresh cache; a cache that cannot be built is a StepError at chunk 0."""
     try:
-        step = make(make_step, StepSpec(B, Hq, k.shape[1], D, q.dtype, q.device))
+        return make(make_step, spec)
     except Unsupported:
         raise
     except Exception as err:  # noqa: BLE001 -- a cache that cannot be built is reported
         raise StepError(0, f"make_step raised {described(err)}") from err
+
+
+def _padded(step: Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            positions: torch.Tensor, i: int) -> torch.Tensor:
+    """One chunk, padded layout: ``(B, H, T, D)`` tensors in, ``(B, Hq, T, D)`` out."""
+    out = step(q, k, v, positions)
+    want = tuple(q.shape)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise StepError(i, f"step returned {got}, expected a tensor of shape {want}")
+    return out
+
+
+def _rows(step: Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+          positions: torch.Tensor, i: int) -> torch.Tensor:
+    """One chunk, rows layout: each row's real tokens only, as lists of ``(H, n_b, D)`` and
+    ``(n_b,)``; the outputs put back in their columns, padding columns zero."""
+    real = positions >= 0  # (B, T): left padding, so each row's real tokens are a suffix
+    B = q.shape[0]
+    out = step(*([t[b][:, real[b]] for b in range(B)] for t in (q, k, v)),
+               [positions[b][real[b]] for b in range(B)])
+    if not isinstance(out, (list, tuple)) or len(out) != B:
+        got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, (list, tuple)) else "")
+        raise StepError(i, f"step returned {got}, expected a list of {B} tensors (rows layout)")
+    full = q.new_zeros(q.shape)
+    for b, o in enumerate(out):
+        want = (q.shape[1], int(real[b].sum()), q.shape[3])
+        if not isinstance(o, torch.Tensor) or tuple(o.shape) != want:
+            got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
+            raise StepError(i, f"step returned {got} for row {b}, expected a tensor of shape "
+                            f"{want} (rows layout)")
+        full[b][:, real[b]] = o.to(device=q.device, dtype=q.dtype)
+    return full
+
+
+def _rewind(step: Step, n: int, i: int) -> None:
+    """Tell the step to forget its newest ``n`` tokens (after chunk ``i``)."""
+    try:
+        step.rewind(n)
+    except Unsupported:
+        raise
+    except Exception as err:  # noqa: BLE001 -- the kit reports, never propagates
+        raise StepError(i, f"rewind({n}) after this chunk raised {described(err)}") from err
+
+
+def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tensor,
+         v: torch.Tensor, positions: torch.Tensor, layout: str = "padded") -> torch.Tensor:
+    """Build a fresh cache, feed it the schedule's chunks (and rewinds); ``(B, Hq, N, D)``
+    outputs, float64. ``layout`` is how a chunk is handed over: ``"padded"`` tensors, or
+    ``"rows"``, each row's real tokens (:mod:`ringviz.conformance`)."""
+    B, Hq, _, D = q.shape
+    step = _build(make_step, StepSpec(B, Hq, k.shape[1], D, q.dtype, q.device))
+    one = _rows if layout == "rows" else _padded
     outs = []
     for i, (a, b) in enumerate(schedule.bounds()):
         # copies: a step that writes into its inputs must not change what the kit compares
         chunk = [t[:, :, a:b].clone() for t in (q, k, v)] + [positions[:, a:b].clone()]
         try:
             with torch.no_grad():
-                out = step(*chunk)
-        except Unsupported:
+                out = one(step, *chunk, i)
+        except (Unsupported, StepError):
             raise
         except Exception as err:  # noqa: BLE001 -- the kit reports, never propagates
             raise StepError(i, described(err)) from err
-        want = (B, Hq, b - a, D)
-        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
-            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-            raise StepError(i, f"step returned {got}, expected a tensor of shape {want}")
         outs.append(out.detach().to(device=q.device, dtype=torch.float64))
+        if schedule.rewind_after(i):
+            _rewind(step, schedule.rewind_after(i), i)
     return torch.cat(outs, dim=2)
 
 
-def expected_mask(positions: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
-    """``(B, N, N)``: query column c of row b sees key column c' of the same row."""
-    return band_mask(positions, positions, window, sinks)
+def has_rewind(make_step: MakeStep, spec: StepSpec) -> bool | None:
+    """Whether the step ``make_step`` builds has a callable ``rewind`` (None: it could not be
+    built; the run reports that)."""
+    try:
+        step = make(make_step, spec)
+    except Exception:  # noqa: BLE001 -- an unbuildable cache is the run's "error"
+        return None
+    return callable(getattr(step, "rewind", None))
+
+
+def expected_mask(positions: torch.Tensor, window: int, sinks: int,
+                  held: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, N, N)``: query column c of row b sees key column c' of the same row: its window
+    over the keys held when c is answered (``held`` (N, N), :meth:`Schedule.held`; all fed
+    before it when None, a schedule without rewinds)."""
+    mask = band_mask(positions, positions, window, sinks)
+    return mask if held is None else mask & held.to(mask.device)[None]
+
+
+def _repeat_keys(schedule: Schedule, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Each ``(B, H, N, D)`` with a re-fed key's column copied from its first feed."""
+    src = schedule.sources().to(tensors[0].device)
+    return [t.index_select(2, src) for t in tensors]
 
 
 def probe_weights(make_step: MakeStep, schedule: Schedule, positions: torch.Tensor, *,
-                  dtype: torch.dtype, device: torch.device, gen: torch.Generator
-                  ) -> torch.Tensor:
-    """``(B, Hq, N, ids)``: each query's weight on each token id (id = row * N + column)."""
+                  dtype: torch.dtype, device: torch.device, gen: torch.Generator,
+                  layout: str = "padded") -> torch.Tensor:
+    """``(B, Hq, N, ids)``: each query's weight on each token id (:meth:`Schedule.token_ids`:
+    ``row * N + column`` of the key's first feed)."""
     B, N = positions.shape
     ids = B * N
     D = head_dim_for(ids)
     q = torch.zeros(B, NUM_HEADS, N, D, dtype=dtype, device=device)
     k = torch.randn(B, NUM_KV_HEADS, N, D, generator=gen, dtype=torch.float64)
-    k = k.to(device=device, dtype=dtype)
-    token = torch.arange(ids, device=device).view(B, 1, N)  # id of each (row, column)
+    (k,) = _repeat_keys(schedule, k.to(device=device, dtype=dtype))
+    token = schedule.token_ids().to(device).view(B, 1, N)  # id of each (row, column)
     parts = []
     for first in range(0, ids, D):
         hot = token - first  # (B, 1, N): index into this probe's D entries, or out of range
         inside = (hot >= 0) & (hot < D)
         onehot = torch.nn.functional.one_hot(hot.clamp(0, D - 1), D).to(dtype)  # (B, 1, N, D)
         v = (onehot * inside[..., None]).expand(B, NUM_KV_HEADS, N, D).contiguous()
-        parts.append(feed(make_step, schedule, q, k, v, positions))
+        parts.append(feed(make_step, schedule, q, k, v, positions, layout))
     return torch.cat(parts, dim=-1)[..., :ids]
 
 
@@ -142,11 +215,11 @@ def window_failure(weights: torch.Tensor, schedule: Schedule, positions: torch.T
     """The first query (in time order) whose seen keys differ from its window, or None."""
     B, N = positions.shape
     noise = PROBE_NOISE.get(dtype, 1e-2)
-    ids_expected = torch.zeros(B, N, B * N, dtype=torch.bool, device=mask.device)
-    for b in range(B):
-        ids_expected[b, :, b * N:(b + 1) * N] = mask[b]
-    count = ids_expected.sum(-1, keepdim=True).clamp_min(1)
-    uniform = ids_expected / count  # (B, N, ids): what a correct cache's probe reads
+    ids = schedule.token_ids().to(mask.device)  # (B, N)
+    count = torch.zeros(B, N, B * N, dtype=torch.int64, device=mask.device)
+    count.scatter_add_(2, ids[:, None, :].expand(B, N, N), mask.long())
+    ids_expected = count > 0  # (B, N, ids): the ids each query's window holds
+    uniform = ids_expected / ids_expected.sum(-1, keepdim=True).clamp_min(1)
     off = (weights - uniform[:, None]).abs().nan_to_num(nan=1.0).amax(dim=(1, 3)) > noise
     off &= positions >= 0  # padding queries may output anything
     for c in range(N):
@@ -154,54 +227,80 @@ def window_failure(weights: torch.Tensor, schedule: Schedule, positions: torch.T
             if not off[b, c]:
                 continue
             for h in range(weights.shape[1]):
-                found = _compare(weights[b, h, c], b, c, positions, ids_expected[b, c], noise)
+                found = _compare(weights[b, h, c], b, c, positions, ids_expected[b, c], noise,
+                                 forgotten_ids(schedule, b, c))
                 if found is not None:
                     return _window(schedule, positions, mask, weights[:, h], b, c, found,
                                    noise)
     return None
 
 
+def forgotten_ids(schedule: Schedule, b: int, c: int) -> set[int]:
+    """Ids of row ``b``'s keys that a rewind forgot before column ``c``'s query, and that
+    were not fed again."""
+    end = schedule.bounds()[schedule.chunk_of(c)][1]
+    held, ids = schedule.held()[c], schedule.token_ids()[b]
+    return set(ids[:end][~held[:end]].tolist()) - set(ids[held].tolist())
+
+
 def _compare(w: torch.Tensor, b: int, c: int, positions: torch.Tensor, want: torch.Tensor,
-             noise: float) -> tuple[list[int], list[int], list[tuple[int, int]]] | None:
-    """``(expected, seen, other_rows)`` if this query's keys differ from its window."""
+             noise: float, forgotten: set[int]) -> tuple | None:
+    """``(expected, seen, other_rows, forgotten)`` if this query's keys differ from its
+    window (``forgotten``: positions of seen keys a rewind forgot)."""
     N = positions.shape[1]
     counts, blank = read_seen(w, noise)
     expected = sorted(int(positions[b, j % N]) for j in want.nonzero()[:, 0])
-    seen, others = [-1] * blank, []
+    seen, others, forgot = [-1] * blank, [], []
     for j, n in counts.items():
         row, col = divmod(j, N)
         if row == b:
             seen += [int(positions[row, col])] * n
+            forgot += [int(positions[row, col])] * n if j in forgotten else []
         else:
             others += [(row, int(positions[row, col]))] * n
     seen.sort()
     if seen == expected and not others:
         return None
-    return expected, seen, sorted(others)
+    return expected, seen, sorted(others), sorted(forgot)
+
+
+def _columns_of(schedule: Schedule, b: int, c: int) -> dict[int, int]:
+    """Row ``b``'s id -> the column that fed it as column ``c``'s query finds it: the held
+    one, else the newest fed before the end of ``c``'s chunk (a forgotten key)."""
+    end = schedule.bounds()[schedule.chunk_of(c)][1]
+    held, ids = schedule.held()[c], schedule.token_ids()[b].tolist()
+    cols = {ids[j]: j for j in range(end) if not held[j]}
+    return cols | {ids[j]: j for j in range(end) if held[j]}
 
 
 def _window(schedule: Schedule, positions: torch.Tensor, mask: torch.Tensor,
-            weights: torch.Tensor, b: int, c: int,
-            found: tuple[list[int], list[int], list[tuple[int, int]]], noise: float) -> Failure:
-    """A window Failure at query (row b, column c), with the row's expected and seen grids."""
-    expected, seen, others = found
-    real = (positions[b] >= 0).nonzero()[:, 0]  # the row's real columns, in position order
-    N = positions.shape[1]
+            weights: torch.Tensor, b: int, c: int, found: tuple, noise: float) -> Failure:
+    """A window Failure at query (row b, column c), with the row's expected and seen grids
+    (by fed column: by position when the schedule does not rewind)."""
+    expected, seen, others, forgot = found
+    real = (positions[b] >= 0).nonzero()[:, 0].tolist()  # the row's real columns, in order
     seen_grid, blank, foreign = [], [], []
-    for qc in real.tolist():
+    for qc in real:
         counts, none = read_seen(weights[b, qc], noise)
-        own = {j - b * N: n for j, n in counts.items() if b * N <= j < (b + 1) * N}
-        seen_grid.append([kc in own for kc in real.tolist()])
-        pads = sum(n for c, n in own.items() if positions[b, c] < 0)
+        col_of = _columns_of(schedule, b, qc)
+        own = {col_of[j]: n for j, n in counts.items() if j in col_of}
+        seen_grid.append([kc in own for kc in real])
+        pads = sum(n for col, n in own.items() if positions[b, col] < 0)
         blank.append(none + pads)  # keys that hold no token of the row: empty slots, padding
         foreign.append(sum(counts.values()) - sum(own.values()))
     expected_grid = mask[b][real][:, real].tolist()
-    return Failure("window", list(schedule.chunks), list(schedule.offsets),
-                   message=f"query saw {seen}, expected {expected}", step=schedule.chunk_of(c),
-                   row=b, column=c, position=int(positions[b, c]), expected=expected, seen=seen,
-                   other_rows=others,
-                   expected_mask=expected_grid, seen_mask=seen_grid, seen_blank=blank,
-                   seen_other_rows=foreign)
+    return schedule_failure(
+        "window", schedule, message=f"query saw {seen}, expected {expected}",
+        step=schedule.chunk_of(c), row=b, column=c, position=int(positions[b, c]),
+        expected=expected, seen=seen, other_rows=others, forgotten=forgot,
+        expected_mask=expected_grid, seen_mask=seen_grid, seen_blank=blank,
+        seen_other_rows=foreign)
+
+
+def schedule_failure(prop: str, schedule: Schedule, **details: object) -> Failure:
+    """A Failure of ``prop`` shown by ``schedule`` (its chunks, offsets and rewinds)."""
+    return Failure(prop, list(schedule.chunks), list(schedule.offsets),
+                   rewinds=list(schedule.rewinds), **details)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -218,15 +317,18 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def random_outputs(make_step: MakeStep, schedule: Schedule, positions: torch.Tensor,
                    mask: torch.Tensor, *, dtype: torch.dtype, device: torch.device,
-                   gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                   gen: torch.Generator, layout: str = "padded"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Random q, k, v through a fresh cache: its outputs and the float64 reference's, each
-    ``(B, Hq, N, D)`` float64."""
+    ``(B, Hq, N, D)`` float64. A key fed again after a rewind with ``same=True`` is the
+    forgotten one (and so is its query); every other token is new."""
     B, N = positions.shape
     D = head_dim_for(B * N)
-    q, k, v = (torch.randn(B, h, N, D, generator=gen, dtype=torch.float64)
-               .to(device=device, dtype=dtype)
-               for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS))
-    return feed(make_step, schedule, q, k, v, positions), reference(q, k, v, mask)
+    q, k, v = _repeat_keys(schedule, *(torch.randn(B, h, N, D, generator=gen,
+                                                   dtype=torch.float64)
+                                       .to(device=device, dtype=dtype)
+                                       for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)))
+    return feed(make_step, schedule, q, k, v, positions, layout), reference(q, k, v, mask)
 
 
 def padding_failure(out: torch.Tensor, schedule: Schedule,
@@ -239,10 +341,10 @@ def padding_failure(out: torch.Tensor, schedule: Schedule,
     c, b = (int(i) for i in bad[0])
     what = "nan" if bool(out[b, :, c].isnan().any()) else "inf"
     count, pads = int(broken.sum()), int((positions < 0).sum())
-    return Failure("padding", list(schedule.chunks), list(schedule.offsets),
-                   message=f"{count} of {pads} padding outputs not finite",
-                   step=schedule.chunk_of(c), row=b, column=c,
-                   position=int(positions[b, c]), bad_value=what)
+    return schedule_failure("padding", schedule,
+                            message=f"{count} of {pads} padding outputs not finite",
+                            step=schedule.chunk_of(c), row=b, column=c,
+                            position=int(positions[b, c]), bad_value=what)
 
 
 def values_failure(out: torch.Tensor, ref: torch.Tensor, schedule: Schedule,
@@ -256,33 +358,34 @@ def values_failure(out: torch.Tensor, ref: torch.Tensor, schedule: Schedule,
         return None
     c, b = (int(i) for i in bad[0])
     worst = float(err.max())
-    return Failure("values", list(schedule.chunks), list(schedule.offsets),
-                   message=f"max |out - reference| {worst:.3g} > {tol:g}",
-                   step=schedule.chunk_of(c), row=b, column=c, position=int(positions[b, c]),
-                   max_error=worst)
+    return schedule_failure("values", schedule,
+                            message=f"max |out - reference| {worst:.3g} > {tol:g}",
+                            step=schedule.chunk_of(c), row=b, column=c,
+                            position=int(positions[b, c]), max_error=worst)
 
 
 def evaluate(make_step: MakeStep, schedule: Schedule, *, window: int, sinks: int,
-             dtype: torch.dtype, device: torch.device, seed: int) -> Failure | None:
+             dtype: torch.dtype, device: torch.device, seed: int,
+             layout: str = "padded") -> Failure | None:
     """The first property ``schedule`` breaks: window, then padding, then values (padding
     first: a schedule with no padding can still show values, so a cache that breaks both is
-    reported for both); errors as ``"error"``.
+    reported for both); errors as ``"error"``. ``layout``: how chunks are handed over
+    (:data:`LAYOUTS`).
 
     Raises :class:`Unsupported` if the cache declines the schedule.
     """
     gen = torch.Generator().manual_seed(seed)
     positions = schedule.positions().to(device)
-    mask = expected_mask(positions, window, sinks)
+    mask = expected_mask(positions, window, sinks, schedule.held())
     try:
         weights = probe_weights(make_step, schedule, positions, dtype=dtype, device=device,
-                                gen=gen)
+                                gen=gen, layout=layout)
         found = window_failure(weights, schedule, positions, mask, dtype=dtype)
         if found is None:
             out, ref = random_outputs(make_step, schedule, positions, mask, dtype=dtype,
-                                      device=device, gen=gen)
+                                      device=device, gen=gen, layout=layout)
             found = (padding_failure(out, schedule, positions)
                      or values_failure(out, ref, schedule, positions, dtype=dtype))
     except StepError as err:
-        return Failure("error", list(schedule.chunks), list(schedule.offsets),
-                       message=err.message, step=err.step)
+        return schedule_failure("error", schedule, message=err.message, step=err.step)
     return found

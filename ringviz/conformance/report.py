@@ -5,9 +5,10 @@ A failure names the property it breaks:
 * ``"window"``: a real query saw another set of keys than its window (``expected`` vs ``seen``,
   sorted key positions of its own row, and :meth:`Failure.difference` between them; ``-1``
   counts a key that holds no token of the row: an empty slot, a padding token or a zero vector;
-  ``other_rows`` lists keys of other rows as ``(row, position)``). ``expected_mask`` and
-  ``seen_mask`` are the whole row's query x key grids for the failing schedule, ``seen_blank``
-  and ``seen_other_rows`` each query's count of keys outside them.
+  ``other_rows`` lists keys of other rows as ``(row, position)``; ``forgotten``, the seen keys
+  a rewind had forgotten). ``expected_mask`` and ``seen_mask`` are the whole row's query x key
+  grids for the failing schedule (by fed column: by position unless it rewinds),
+  ``seen_blank`` and ``seen_other_rows`` each query's count of keys outside them.
 * ``"padding"``: a padding query (position -1, a ragged row's left padding) output a NaN or an
   inf (``bad_value``). Its output may be anything else, but it must be finite: the next layer
   mixes it into every real token of the row (chapter 5). Only ragged checks have padding.
@@ -17,18 +18,21 @@ A failure names the property it breaks:
   (``message`` holds the exception text and the innermost frames of its traceback); also a
   cache that answers the same schedule two ways.
 
-Each carries the shrunk ``schedule`` (chunk sizes) and ``offsets`` (each row's left padding) that
-show it, and where: ``row``, ``column`` (the query's index in its row, padding included),
-``position`` and ``step`` (the chunk). A report lists every property broken, each with its own
-smallest schedule, and its text says what ``-1`` means where one appears, and when a check at
-float64 fails "values" alone by float32 rounding, that ``dtype=torch.float32`` checks a cache
-at its own precision.
+Each carries the shrunk ``schedule`` (chunk sizes), ``offsets`` (each row's left padding) and
+``rewinds`` (:class:`~ringviz.conformance.schedule.Rewind` s) that show it, and where:
+``row``, ``column`` (the query's index in its row: tokens fed before it, padding and re-fed
+tokens included), ``position`` and ``step`` (the chunk). A report lists every property
+broken, each with its own smallest schedule, and its text says what ``-1`` means where one
+appears, and when a check at float64 fails "values" alone by float32 rounding, that
+``dtype=torch.float32`` checks a cache at its own precision.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+
+from ringviz.conformance.schedule import Rewind
 
 PROPERTIES = ("window", "padding", "values", "error")
 # what -1 means wherever a report shows it
@@ -59,6 +63,8 @@ class Failure:
     seen_blank: list[int] | None = None  # per query of ``row``: keys holding no token of it
     seen_other_rows: list[int] | None = None  # per query of ``row``: keys of other rows
     bad_value: str | None = None  # "padding": "nan" or "inf"
+    rewinds: list[Rewind] = field(default_factory=list)  # the schedule's rewinds
+    forgotten: list[int] | None = None  # "window": seen keys that a rewind forgot
 
     def __post_init__(self) -> None:
         if self.property not in PROPERTIES:
@@ -69,6 +75,8 @@ class Failure:
         text = f"chunks {self.schedule}"
         if any(self.offsets):
             text += f", rows start at columns {self.offsets}"
+        for r in self.rewinds:
+            text += f", {Rewind(*r)}"
         return text
 
     def difference(self) -> tuple[list[int], list[int]]:
@@ -85,6 +93,8 @@ class Failure:
         missing, extra = self.difference()
         lines = [self._query(), f"expected keys {self.expected}", f"saw keys      {self.seen}",
                  f"missing {missing or 'none'}, extra {extra or 'none'}"]
+        if self.forgotten:
+            lines.append(f"of which forgotten by a rewind {self.forgotten}")
         if self.other_rows:
             lines.append(f"and keys of other rows (row, position) {self.other_rows}")
         if -1 in (self.seen or []) or any(p == -1 for _, p in self.other_rows):
@@ -121,6 +131,8 @@ class Report:
     seed: int = 0
     name: str = ""
     dtype: str = "float64"  # the dtype the check ran in
+    rewind: bool = False  # schedules rewound (the step's rewind(n) was checked)
+    layout: str = "padded"  # how chunks were handed over: "padded" or "rows"
 
     @property
     def ok(self) -> bool:
@@ -135,13 +147,16 @@ class Report:
         return {"name": self.name, "ok": self.ok, "examples": self.examples,
                 "window": self.window, "sinks": self.sinks, "batch_size": self.batch_size,
                 "ragged": self.ragged, "max_chunk": self.max_chunk, "seed": self.seed,
-                "skipped": self.skipped, "dtype": self.dtype,
+                "skipped": self.skipped, "dtype": self.dtype, "rewind": self.rewind,
+                "layout": self.layout,
                 "failures": [asdict(f) for f in self.failures]}
 
     def __str__(self) -> str:
         what = (f"{self.name + ': ' if self.name else ''}window {self.window}, sinks "
                 f"{self.sinks}, batch {self.batch_size}{' ragged' if self.ragged else ''}"
-                + (f", chunks <= {self.max_chunk}" if self.max_chunk else ""))
+                + (f", chunks <= {self.max_chunk}" if self.max_chunk else "")
+                + (", rewinds" if self.rewind else "")
+                + (", rows layout" if self.layout == "rows" else ""))
         declined = f" ({self.skipped} declined by the cache)" if self.skipped else ""
         if self.ok:
             return (f"PASS {what}: {self.examples} schedules{declined}, every query saw its "

@@ -1,36 +1,124 @@
-"""Schedules: how a sequence is cut into the chunks a cache is fed, and where its rows start.
+"""Schedules: how a sequence is cut into the chunks a cache is fed, where its rows start, and
+where it rewinds.
 
 A :class:`Schedule` is a list of chunk sizes (1 = a decode step) plus, for a ragged batch, each
 row's start column: row ``b`` is left-padded with ``offsets[b]`` padding tokens (position -1),
 then counts positions 0, 1, 2, ... . Every row takes the same chunk sizes, as a batched
 ``generate`` feeds a left-padded batch.
 
+A schedule may also **rewind** (:class:`Rewind`): after chunk ``after``, every row forgets its
+newest ``n`` tokens, as a speculative decoder forgets rejected drafts or a prompt cache trims a
+conversation back to the prefix a new request shares. The next tokens go to the forgotten
+positions again: new keys (another draft), or, with ``same=True``, the very keys that were
+forgotten (a re-prefill). Every forgotten token is a real token of every row (rewinds come once
+every row has started, as after a batched prefill), so all rows rewind by the same ``n``.
+
+Columns count the tokens fed, in time order (a re-fed token takes a new column); each fed
+column gets a token id (:meth:`Schedule.token_ids`), the same id again where the same key is
+fed again. :meth:`Schedule.held` says which columns' keys the cache holds when a query is
+answered: the reference a query is checked against is its window over those.
+
 :func:`schedules` is the hypothesis strategy the kit draws from; hypothesis shrinks a failing
-schedule towards fewer, smaller chunks and smaller offsets.
+schedule towards fewer, smaller chunks, smaller offsets, fewer and smaller rewinds.
 
 >>> s = Schedule(chunks=(3, 1), offsets=(0, 2))
 >>> s.positions().tolist()
 [[0, 1, 2, 3], [-1, -1, 0, 1]]
+>>> r = Schedule(chunks=(3, 2), rewinds=(Rewind(after=0, n=2),))  # forget 1, 2; feed 1, 2
+>>> r.positions().tolist(), r.token_ids().tolist()
+([[0, 1, 2, 1, 2]], [[0, 1, 2, 3, 4]])
+>>> Schedule(chunks=(3, 2), rewinds=(Rewind(0, 2, same=True),)).token_ids().tolist()
+[[0, 1, 2, 1, 2]]
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
 
 import torch
 from hypothesis import strategies as st
 
+MAX_REWINDS = 3  # rewinds per drawn schedule
+
+
+class Rewind(NamedTuple):
+    """After chunk ``after``, every row forgets its newest ``n`` tokens; the tokens fed next at
+    those positions repeat the forgotten keys if ``same`` (a re-prefill), else are new ones."""
+
+    after: int
+    n: int
+    same: bool = False
+
+    def __str__(self) -> str:
+        return (f"rewind {self.n} after chunk {self.after} "
+                f"({'the same keys again' if self.same else 'new keys'})")
+
+
+@dataclass(frozen=True)
+class _Trace:
+    """What a schedule feeds, per fed column: its index in the sequence, the column whose key
+    it repeats (itself for a new key), and which columns each query finds held."""
+
+    index: list[int]
+    source: list[int]
+    held: torch.Tensor  # (N, N) bool
+
 
 @dataclass(frozen=True)
 class Schedule:
-    """Chunk sizes fed to the cache, and each row's start column (its left padding)."""
+    """Chunk sizes fed to the cache, each row's start column (its left padding), rewinds."""
 
     chunks: tuple[int, ...]
     offsets: tuple[int, ...] = (0,)
+    rewinds: tuple[Rewind, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rewinds", tuple(Rewind(*r) for r in self.rewinds))
+        self._trace  # noqa: B018 -- a rewind the schedule cannot make raises here
+
+    @cached_property
+    def _trace(self) -> _Trace:
+        """Run the schedule's sequence; ValueError for a rewind it cannot make."""
+        afters = [r.after for r in self.rewinds]
+        if afters != sorted(set(afters)) or any(not 0 <= a < len(self.chunks) - 1
+                                                for a in afters):
+            raise ValueError(f"rewinds must come after distinct chunks 0 .. "
+                             f"{len(self.chunks) - 2}, in order (a rewind needs a chunk "
+                             f"after it), got {list(self.rewinds)}")
+        rewind_after = {r.after: r for r in self.rewinds}
+        n_cols = self.columns
+        index, source = [], []
+        held = torch.zeros(n_cols, n_cols, dtype=torch.bool)
+        seq: list[int] = []  # the fed columns the sequence holds, in order
+        redo: dict[int, int] = {}  # sequence index -> column whose forgotten key comes back
+        col = 0
+        for i, n in enumerate(self.chunks):
+            for _ in range(n):
+                index.append(len(seq))
+                source.append(redo.pop(len(seq), col))
+                seq.append(col)
+                col += 1
+            held[col - n:col, seq] = True
+            r = rewind_after.get(i)
+            if r is None:
+                continue
+            real = len(seq) - max(self.offsets)  # tokens of the row that started last
+            if not 1 <= r.n <= real:
+                raise ValueError(f"{r}: every row must hold n >= 1 real tokens to forget; "
+                                 f"the row that started last holds {max(real, 0)}")
+            if not r.same:
+                redo.clear()
+            for c in seq[-r.n:]:
+                if r.same:
+                    redo[index[c]] = source[c]
+            del seq[-r.n:]
+        return _Trace(index, source, held)
 
     @property
     def columns(self) -> int:
-        """Tokens per row, padding included."""
+        """Tokens fed per row, padding and re-fed tokens included."""
         return sum(self.chunks)
 
     @property
@@ -38,10 +126,29 @@ class Schedule:
         return len(self.offsets)
 
     def positions(self) -> torch.Tensor:
-        """``(B, N)`` int64 absolute positions, -1 for a row's left padding."""
-        col = torch.arange(self.columns)
-        pos = col[None, :] - torch.tensor(self.offsets)[:, None]
+        """``(B, N)`` int64 absolute position of each fed column, -1 for a row's left padding."""
+        index = torch.tensor(self._trace.index, dtype=torch.int64)
+        pos = index[None, :] - torch.tensor(self.offsets)[:, None]
         return pos.masked_fill(pos < 0, -1)
+
+    def sources(self) -> torch.Tensor:
+        """``(N,)`` int64: the column whose key each column feeds (itself, unless a rewind with
+        ``same=True`` brings a forgotten key back)."""
+        return torch.tensor(self._trace.source, dtype=torch.int64)
+
+    def token_ids(self) -> torch.Tensor:
+        """``(B, N)`` int64 id of each fed token, ``row * N + column`` of its key's first feed."""
+        rows = torch.arange(self.batch_size)[:, None] * self.columns
+        return rows + self.sources()[None, :]
+
+    def held(self) -> torch.Tensor:
+        """``(N, N)`` bool: column ``j``'s query is answered while the cache holds column
+        ``j'``'s key (fed by the end of ``j``'s chunk, not forgotten since)."""
+        return self._trace.held.clone()
+
+    def rewind_after(self, chunk: int) -> int:
+        """Tokens every row forgets after ``chunk`` (0: no rewind there)."""
+        return next((r.n for r in self.rewinds if r.after == chunk), 0)
 
     def bounds(self) -> list[tuple[int, int]]:
         """Column range ``(start, stop)`` of each chunk."""
@@ -69,17 +176,43 @@ def default_limits(window: int, sinks: int) -> tuple[int, int]:
     return 3 * ring + 4, 2 * ring + 1
 
 
+def fit_rewinds(chunks: tuple[int, ...], offsets: tuple[int, ...],
+                drawn: list[tuple[int, int, bool]]) -> tuple[Rewind, ...]:
+    """The rewinds a schedule can make from drawn ``(after, n, same)``: one per chunk (the
+    first drawn), in order, ``n`` cut to the tokens of the row that started last (none where
+    it holds none)."""
+    wanted: dict[int, tuple[int, bool]] = {}
+    for after, n, same in drawn:
+        wanted.setdefault(after, (n, same))
+    out, held, start = [], 0, max(offsets)
+    for i, size in enumerate(chunks[:-1]):
+        held += size
+        if i in wanted and held - start >= 1:
+            n, same = wanted[i]
+            n = min(n, held - start)
+            out.append(Rewind(i, n, same))
+            held -= n
+    return tuple(out)
+
+
 def schedules(*, window: int, sinks: int, batch_size: int, ragged: bool,
-              max_chunk: int | None = None) -> st.SearchStrategy[Schedule]:
+              max_chunk: int | None = None,
+              rewind: bool = False) -> st.SearchStrategy[Schedule]:
     """Hypothesis strategy of schedules for a cache of ``window`` (+ ``sinks``) keys.
 
     Chunk sizes lean towards 1 (decode steps) and shrink towards them; a list of chunks is cut
     at the token budget of :func:`default_limits`. Ragged rows start at offsets
     ``0 .. window + sinks`` columns, the earliest at 0 (left padding, as a batch is padded).
+    With ``rewind``, a schedule of two chunks or more also rewinds, 1 to :data:`MAX_REWINDS`
+    times after chunks drawn anywhere (before and after the wrap), each by ``n`` tokens: up
+    to the longest chunk of :func:`default_limits`, leaning towards 1 to 3 (a few drafts), and
+    never more than the row that started last holds (:func:`fit_rewinds`). Without
+    ``rewind`` it draws what it always drew.
     """
     max_tokens, default_chunk = default_limits(window, sinks)
     top = default_chunk if max_chunk is None else max_chunk
     size = st.one_of(st.just(1), st.integers(1, top)) if top > 1 else st.just(1)
+    forget = st.one_of(st.integers(1, 3), st.integers(1, default_chunk))
 
     @st.composite
     def draw_schedule(draw) -> Schedule:
@@ -97,6 +230,11 @@ def schedules(*, window: int, sinks: int, batch_size: int, ragged: bool,
             offsets = tuple(o - low for o in offs)
         else:
             offsets = (0,) * batch_size
-        return Schedule(tuple(chunks), offsets)
+        rewinds: tuple[Rewind, ...] = ()
+        if rewind and len(chunks) > 1:
+            drawn = draw(st.lists(st.tuples(st.integers(0, len(chunks) - 2), forget,
+                                            st.booleans()), min_size=1, max_size=MAX_REWINDS))
+            rewinds = fit_rewinds(tuple(chunks), offsets, drawn)
+        return Schedule(tuple(chunks), offsets, rewinds)
 
     return draw_schedule()
