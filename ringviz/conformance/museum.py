@@ -655,3 +655,79 @@ EXHIBITS |= {e.name: e for e in [
         _litgpt("3023ca8"), _litgpt("3023ca8", token_by_token=True), "window",
         upstream_fix=_litgpt("d28a00d")),
 ]}
+
+
+# ------------------------------------------------------------------ window conventions
+@dataclass(frozen=True)
+class Convention:
+    """How one library writes "the last W": its rule as written, the number it takes, and the
+    ``window=`` that number means to the kit."""
+
+    library: str
+    written: str  # the rule, as the library writes it
+    number: str  # the library's parameter, in its own words
+    visible: Callable[[torch.Tensor, int], torch.Tensor] | None  # (q - k, n) -> visible
+    window_for: Callable[[int], int]  # the library's number -> the kit's window
+    source: str
+    real: Callable[[int], MakeStep] | None = None  # a real library cache, if one runs here
+
+
+def by_rule(visible: Callable[[torch.Tensor, int], torch.Tensor], n: int) -> MakeStep:
+    """Every key kept (rows of any length), masked by ``visible(q - k, n)`` alone, so the check
+    sees the library's rule and nothing else."""
+    def build(s: StepSpec) -> Step:
+        kept: list[torch.Tensor] = []  # keys, values, positions so far
+
+        def step(q, k, v, positions):
+            keys = torch.cat([kept[0], k], 2) if kept else k
+            values = torch.cat([kept[1], v], 2) if kept else v
+            key_pos = torch.cat([kept[2], positions], 1) if kept else positions
+            kept[:] = [keys, values, key_pos]
+            diff = positions[:, :, None] - key_pos[:, None, :]
+            real = (positions[:, :, None] >= 0) & (key_pos[:, None, :] >= 0)
+            return attend(q, keys, values, real & visible(diff, n))
+
+        return step
+
+    return prebuilt(build)
+
+
+def _hf_dynamic(n: int) -> MakeStep:
+    from ringviz.conformance.adapters import hf_dynamic_sliding
+
+    return hf_dynamic_sliding(n)
+
+
+CONVENTIONS: list[Convention] = [
+    Convention("transformers, mlx-lm", "`0 <= q - k < W`", "sliding_window = W",
+               lambda d, n: (d >= 0) & (d < n), lambda n: n,
+               "transformers masking_utils sliding_window_overlay; mlx-lm create_causal_mask"),
+    Convention("FlashAttention", "`window_size=(left, right)`: `q - left <= k <= q + right`",
+               "left = W - 1, right = 0", lambda d, n: (d >= 0) & (d <= n), lambda n: n + 1,
+               "Dao-AILab/flash-attention flash_attn_func docstring (inclusive, bottom-right)"),
+    Convention("FlashInfer", "`window_left`: at most `window_left + 1` keys",
+               "window_left = W - 1", lambda d, n: (d >= 0) & (d <= n), lambda n: n + 1,
+               "flashinfer BatchPrefillWithPagedKVCacheWrapper.plan(window_left=...)"),
+    Convention("mistral-inference (reference)",
+               "`triu(tril(ones), diagonal=-sliding_window)`: `0 <= q - k <= W`",
+               "sliding_window = W", lambda d, n: (d >= 0) & (d <= n), lambda n: n + 1,
+               "mistralai/mistral-inference@215fc80: one_file_ref.py, Transformer.forward"),
+    Convention("transformers DynamicSlidingWindowLayer",
+               "keeps the last `W - 1` keys, then appends the new ones", "sliding_window = W",
+               None, lambda n: n, "transformers cache_utils.DynamicSlidingWindowLayer (the "
+               "installed one, with its masks and sdpa)", real=_hf_dynamic),
+    Convention("llama.cpp, standard SWA", "masked when `p1 - p0 >= n_swa`", "n_swa = W",
+               lambda d, n: (d >= 0) & (d < n), lambda n: n,
+               "ggml-org/llama.cpp src/llama-hparams.cpp is_masked_swa, "
+               "LLAMA_SWA_TYPE_STANDARD"),
+    Convention("llama.cpp, symmetric SWA",
+               "masked when `p1 - p0 < -n_swa / 2` or `> n_swa / 2`", "n_swa = W",
+               lambda d, n: (d >= -(n // 2)) & (d <= n // 2), lambda n: n // 2 + 1,
+               "ggml-org/llama.cpp src/llama-hparams.cpp is_masked_swa, "
+               "LLAMA_SWA_TYPE_SYMMETRIC (not causal: later keys too)"),
+]
+
+
+def convention_step(convention: Convention, n: int) -> MakeStep:
+    """The make_step of a convention at its library's number ``n``."""
+    return convention.real(n) if convention.real is not None else by_rule(convention.visible, n)
