@@ -1,9 +1,9 @@
 """Every cache the kit knows by name: the field's real caches and the book's pitfalls.
 
 :data:`PEERS` maps a name to a :class:`Peer`: how to build its ``make_step`` for a window and a
-number of sinks, what it takes (sinks, left-padded rows), the dtype to check it in, and the
-library version it runs. ``python -m ringviz conform --cache NAME`` and chapter 14's table read
-it; :func:`run` checks one peer at its most demanding setting.
+number of sinks, what it takes (sinks, left-padded rows, rewinds, the rows layout), the dtype
+to check it in, and the library version it runs. ``python -m ringviz conform --cache NAME``
+and chapter 14's table read it; :func:`run` checks one peer at its most demanding setting.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from ringviz.conformance import adapters
 from ringviz.conformance.kit import check
 from ringviz.conformance.pitfalls import PITFALLS
 from ringviz.conformance.report import PROPERTIES, Report
+from ringviz.conformance.schedule import Rewind
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Peer:
     dtype: torch.dtype = torch.float64  # the dtype its checks run in
     expect: str | None = None  # pitfalls: the property the kit must report
     default_sinks: int = 0
+    rewind: bool = False  # its step has rewind(n): checked with rewinds
+    layout: str = "padded"  # how it takes a chunk: "padded" or "rows" (no padding)
 
     def version(self) -> str:
         """``library==version`` as installed (what the check ran)."""
@@ -73,6 +76,15 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer("mlx_batch_rotating", "mlx-lm BatchRotatingKVCache(W, left_padding)",
          _no_sinks("mlx_batch_rotating", adapters.mlx_batch_rotating), library="mlx-lm",
          dtype=_F32),
+    Peer("ringviz_draft", "ringviz.RingKVCache with 2 draft slots, rewound by truncate",
+         adapters.ringviz_draft, sinks=True, default_sinks=2, rewind=True),
+    Peer("ringviz_rows", "one ringviz.RingKVCache per row, each row's tokens only (a server)",
+         lambda w, s: adapters.ringviz_rows(w, s, drafts=2), sinks=True, default_sinks=2,
+         rewind=True, layout="rows"),
+    Peer("mlx_rotating_rewind", "mlx-lm RotatingKVCache(W + S, keep=S) rewound by "
+         "trim_prompt_cache, as its speculative decoder does", lambda w, s: adapters.mlx_rotating(
+             w + s, keep=s), library="mlx-lm", sinks=True, ragged=False, dtype=_F32,
+         rewind=True),
 ]} | {name: Peer(name, p.what, p.build, sinks=p.sinks > 0, ragged=p.ragged,
                  batch_size=p.batch_size, expect=p.breaks, default_sinks=p.sinks)
       for name, p in PITFALLS.items()}
@@ -89,7 +101,8 @@ def run(name: str, *, window: int = 6, sinks: int | None = None, examples: int =
         seed: int = 0, max_chunk: int | None = None,
         progress: Callable[[int], None] | None = None) -> Report:
     """Check peer ``name``: its default sinks unless given, a ragged batch of 2 if it takes
-    padding (else its own batch size), in its dtype."""
+    padding (else its own batch size), in its dtype, its layout, with rewinds if it takes
+    them."""
     peer = get(name)
     sinks = peer.default_sinks if sinks is None else sinks
     if sinks and not peer.sinks:
@@ -97,16 +110,20 @@ def run(name: str, *, window: int = 6, sinks: int | None = None, examples: int =
     batch = 2 if peer.ragged else peer.batch_size
     return check(peer.build(window, sinks), window=window, sinks=sinks, batch_size=batch,
                  ragged=peer.ragged, examples=examples, seed=seed, dtype=peer.dtype,
-                 max_chunk=max_chunk, name=name, progress=progress)
+                 max_chunk=max_chunk, name=name, progress=progress, rewind=peer.rewind,
+                 layout=peer.layout)
 
 
 def setting(report: Report) -> str:
-    """A check's setting, short: ``"W=6 S=2, 2 ragged rows"``, ``"W=6 S=0, 1 row, chunks <= 4"``.
+    """A check's setting, short: ``"W=6 S=2, 2 ragged rows"``, ``"W=6 S=0, 1 row, chunks <= 4"``,
+    ``"W=6 S=2, 2 ragged rows, rewinds, rows layout"``.
     """
     rows = (f"{report.batch_size} ragged rows" if report.ragged
             else f"{report.batch_size} row{'s' if report.batch_size > 1 else ''}")
     text = f"W={report.window} S={report.sinks}, {rows}"
-    return text + (f", chunks <= {report.max_chunk}" if report.max_chunk else "")
+    return (text + (f", chunks <= {report.max_chunk}" if report.max_chunk else "")
+            + (", rewinds" if report.rewind else "")
+            + (", rows layout" if report.layout == "rows" else ""))
 
 
 def table_row(report: Report) -> dict[str, str]:
@@ -116,5 +133,6 @@ def table_row(report: Report) -> dict[str, str]:
     row = {"cache": report.name, "version": peer.version(), "setting": setting(report)}
     row |= {p: "pass" for p in PROPERTIES}
     for f in report.failures:
-        row[f.property] = str(f.schedule) + (f", rows at {f.offsets}" if any(f.offsets) else "")
+        row[f.property] = (str(f.schedule) + (f", rows at {f.offsets}" if any(f.offsets) else "")
+                           + "".join(f", {Rewind(*r)}" for r in f.rewinds))
     return row
