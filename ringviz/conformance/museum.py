@@ -26,7 +26,7 @@ import torch
 
 from ringviz import RingKVCache, apply_rope, band_mask
 from ringviz.cache import MakeStep, Step
-from ringviz.conformance.adapters import _from_mx, _to_mx
+from ringviz.conformance.adapters import MlxStep, _from_mx, _to_mx
 from ringviz.conformance.kit import check
 from ringviz.conformance.pitfalls import attend
 from ringviz.conformance.probe import Unsupported
@@ -56,13 +56,15 @@ class Exhibit:
     dtype: torch.dtype = torch.float64
     examples: int = 60  # schedules for the fix (a bug stops at its first failure)
     upstream_fix: Callable[[int], MakeStep] | None = None  # a project's fix that still breaks
+    rewind: bool = False  # schedules that rewind (the step has rewind(n))
 
     def check(self, make: Callable[[int], MakeStep], examples: int | None = None) -> Report:
         """Check ``make(window)`` at this exhibit's setting."""
         return check(make(self.window), window=self.window, sinks=self.sinks,
                      batch_size=self.batch_size, ragged=self.ragged,
                      examples=self.examples if examples is None else examples,
-                     max_chunk=self.max_chunk, dtype=self.dtype, name=self.name)
+                     max_chunk=self.max_chunk, dtype=self.dtype, rewind=self.rewind,
+                     name=self.name)
 
 
 @dataclass(frozen=True)
@@ -731,3 +733,67 @@ CONVENTIONS: list[Convention] = [
 def convention_step(convention: Convention, n: int) -> MakeStep:
     """The make_step of a convention at its library's number ``n``."""
     return convention.real(n) if convention.real is not None else by_rule(convention.visible, n)
+
+
+# ------------------------------------------------------------------ rewinds (mlx-lm, mlx-vlm)
+class _TrimWhenSafe(MlxStep):
+    """A rewind that trims only a cache that can give the tokens back (not yet wrapped), and
+    otherwise declines the state, as a decoder that falls back to a cold path does."""
+
+    def rewind(self, n: int) -> None:
+        if not self.cache.is_trimmable():
+            raise Unsupported("the ring has wrapped: fall back (target-only decoding, or a "
+                              "cold prefill)")
+        self.cache.trim(n)
+
+
+class _VlmSliceTrim(MlxStep):
+    """mlx-vlm 0.6.7's prompt-cache reuse, as a rewind to ``prefix_len = offset - n``."""
+
+    def rewind(self, n: int) -> None:
+        c, prefix_len = self.cache, self.cache.offset - n
+        if c.keys is not None:
+            cached_len = c.keys.shape[2]
+            if cached_len > prefix_len:
+                c.keys = c.keys[:, :, :prefix_len, :]
+                c.values = c.values[:, :, :prefix_len, :]
+                c.offset = prefix_len
+
+
+def _mlx_rewinding(step_cls: type) -> Callable[[int], MakeStep]:
+    """mlx-lm's ``RotatingKVCache(W)`` driven as its models drive it (see
+    :func:`~ringviz.conformance.adapters.mlx_rotating`), rewound by ``step_cls.rewind``."""
+    def factory(window: int) -> MakeStep:
+        def build(s: StepSpec) -> Step:
+            from mlx_lm.models.cache import RotatingKVCache
+
+            return step_cls(RotatingKVCache(max_size=window), None)
+
+        return prebuilt(build)
+
+    return factory
+
+
+_VLM = "https://github.com/Blaizzy/mlx-vlm"
+EXHIBITS |= {e.name: e for e in [
+    Exhibit(
+        "mlx_lm_1423", "mlx-lm", "#1423", f"{_MLX}/issues/1423",
+        "Speculative decoding rejects drafts with trim_prompt_cache and ignores its answer; "
+        "once the ring has wrapped it trims nothing, so rejected drafts stay in the window.",
+        "mlx-lm as installed: RotatingKVCache and trim_prompt_cache, called as "
+        "speculative_generate_step's rewind calls them (the same bug: mlx-swift-lm #424)",
+        "PR #1427's rule (closed unmerged): fall back to target-only decoding when the ring can "
+        "no longer be trimmed (here: the rewind declines the state)",
+        _mlx_rewinding(MlxStep), _mlx_rewinding(_TrimWhenSafe), "window",
+        dtype=torch.float32, rewind=True),
+    Exhibit(
+        "mlx_vlm_1715", "mlx-vlm", "#1715", f"{_VLM}/issues/1715",
+        "Prompt-cache reuse cuts a rotating cache with a flat slice `keys[..., :prefix_len, :]` "
+        "and resets `offset`, leaving the ring's write index `_idx` where it was.",
+        "transcribed from mlx-vlm 0.6.7: mlx_vlm/generate/dispatch.py#L879-L886, on mlx-lm's "
+        "RotatingKVCache (mlx-vlm's copy differs only in how it saves its state)",
+        "PR #1748: reuse a prefix only while the cache still holds its whole sequence (not yet "
+        "wrapped), trimming through the cache's own trim(); else a cold prefill",
+        _mlx_rewinding(_VlmSliceTrim), _mlx_rewinding(_TrimWhenSafe), "window",
+        dtype=torch.float32, rewind=True),
+]}
