@@ -1,0 +1,123 @@
+"""The reader's two ways in: the intro's 30-minute path and the "When it breaks" page.
+
+The path must name at least six sections of chapters that exist, each by a ``{doc}`` link to the
+chapter and the section's title in italics, with a time in minutes; the titles must be headings
+of the linked chapter, so a renamed section breaks this test rather than the reader's path. The
+symptom page must hold at least ten symptom sections, each with its own label, linked from the
+table at its top, and each linking a chapter that exists.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+INTRO = ROOT / "book" / "intro.md"
+SYMPTOMS = ROOT / "notebooks" / "when_it_breaks.ipynb"
+PATH_HEADING = "## A 30-minute path"
+MIN_PATH_ITEMS = 6
+MIN_SYMPTOMS = 10
+
+_ITEM = re.compile(r"^\d+\. (.*?)(?=^\d+\. |^\S|\Z)", re.M | re.S)
+_DOC = re.compile(r"\{doc\}`[^`<]*<([^>`]+)>`")
+_TITLE = re.compile(r"\*([^*]+)\*")
+_MINUTES = re.compile(r"\((\d+) min\)")
+_LABEL = re.compile(r"^\(([\w-]+)\)=\s*\n## (.+)$", re.M)
+_CHAPTER = re.compile(r"\{doc\}`[^`<]*<(\d\d_[\w]+)>`")
+
+
+def headings(notebook: Path) -> set[str]:
+    """The section titles (``#`` to ``###``) of a notebook's markdown cells."""
+    cells = json.loads(notebook.read_text())["cells"]
+    text = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    return {m.group(1).strip() for m in re.finditer(r"^#{1,3} (.+)$", text, re.M)}
+
+
+def path_items(intro: str) -> list[str]:
+    """The numbered items of the intro's 30-minute path section."""
+    if PATH_HEADING not in intro:
+        return []
+    section = intro.split(PATH_HEADING, 1)[1].split("\n## ", 1)[0]
+    return [m.group(1) for m in _ITEM.finditer(section)]
+
+
+def resolve(target: str, page: Path) -> Path | None:
+    """The file a ``{doc}`` target names, relative to ``page`` (None if there is none)."""
+    for suffix in (".ipynb", ".md"):
+        candidate = (page.parent / target).with_suffix(suffix)
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def symptom_sections(notebook: Path) -> dict[str, tuple[str, str]]:
+    """label -> (title, the section's markdown up to the next labelled section)."""
+    cells = json.loads(notebook.read_text())["cells"]
+    text = "\n\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+    found = list(_LABEL.finditer(text))
+    return {m.group(1): (m.group(2), text[m.end():found[i + 1].start() if i + 1 < len(found)
+                                          else len(text)])
+            for i, m in enumerate(found)}
+
+
+def test_the_path_links_six_sections_that_exist():
+    items = path_items(INTRO.read_text())
+    assert len(items) >= MIN_PATH_ITEMS, f"the 30-minute path has {len(items)} items"
+    seen = set()
+    for item in items:
+        doc, title, minutes = _DOC.search(item), _TITLE.search(item), _MINUTES.search(item)
+        assert doc and title and minutes, f"an item needs a {{doc}} link, *title*, (N min): {item}"
+        chapter = resolve(doc.group(1), INTRO)
+        assert chapter is not None, f"{doc.group(1)} is no page of the book"
+        assert title.group(1) in headings(chapter), (
+            f"{chapter.name} has no section {title.group(1)!r}")
+        seen.add((chapter.name, title.group(1)))
+    assert len(seen) == len(items), "a section appears twice on the path"
+
+
+def test_the_path_takes_about_half_an_hour():
+    minutes = [int(_MINUTES.search(i).group(1)) for i in path_items(INTRO.read_text())]
+    assert 20 <= sum(minutes) <= 35, f"the path adds up to {sum(minutes)} minutes"
+
+
+def test_the_path_comes_before_the_first_undefined_term():
+    intro = INTRO.read_text()
+    path = intro.index(PATH_HEADING)
+    for term in ("sinks", "paged", "assisted"):
+        first = intro.find(term)
+        assert first == -1 or first > path, f"{term!r} is used before the 30-minute path"
+
+
+def test_when_it_breaks_has_ten_symptoms_each_linking_a_chapter():
+    sections = symptom_sections(SYMPTOMS)
+    assert len(sections) >= MIN_SYMPTOMS, f"{len(sections)} symptom sections"
+    for title, body in sections.values():
+        chapters = _CHAPTER.findall(body)
+        assert chapters, f"section {title!r} links no chapter"
+        for target in chapters:
+            assert resolve(target, SYMPTOMS), f"section {title!r} links {target}, no page"
+
+
+def test_the_symptom_table_links_every_section():
+    sections = symptom_sections(SYMPTOMS)
+    cells = json.loads(SYMPTOMS.read_text())["cells"]
+    table = next("".join(c["source"]) for c in cells
+                 if c["cell_type"] == "markdown" and "|---|" in "".join(c["source"]))
+    linked = set(re.findall(r"\{ref\}`[^`<]*<([\w-]+)>`", table))
+    assert linked == set(sections), f"table and sections differ: {linked ^ set(sections)}"
+
+
+def test_when_it_breaks_ends_with_what_to_remember():
+    cells = json.loads(SYMPTOMS.read_text())["cells"]
+    last = "".join(cells[-1]["source"])
+    assert last.startswith("## What to remember")
+
+
+@pytest.mark.parametrize("page", [INTRO, SYMPTOMS])
+def test_pages_exist_in_the_toc(page):
+    toc = (ROOT / "_toc.yml").read_text()
+    assert str(page.relative_to(ROOT).with_suffix("")) in toc
