@@ -420,22 +420,28 @@ def merge_029(cls, caches):
     return cache
 
 
-def _mlx_server(merge: Callable | None) -> Callable[[int], MakeStep]:
+def _mlx_server(merge: Callable | None, keep: int = 0,
+                batched: bool = True) -> Callable[[int], MakeStep]:
     """A server over mlx-lm's caches, as ``BatchGenerator`` serves requests: each row's prompt
     (a chunk) is prefilled alone in its own ``RotatingKVCache(W)``; each decode step merges the
     rows that hold a token into a ``BatchRotatingKVCache`` (``merge``: a transcription, None:
     the installed one), decodes them together and extracts each row back (rows join and leave
-    the batch at every step)."""
+    the batch at every step). ``keep`` sinks: each request's cache is
+    ``RotatingKVCache(W + keep, keep)``, as ``make_prompt_cache(max_kv_size=...)`` builds it,
+    masked as a Llama with ``--max-kv-size`` masks it (no window_size); ``batched=False``
+    decodes each request alone in its own cache."""
     def factory(window: int) -> MakeStep:
         def build(s: StepSpec) -> Step:
             from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
             batch_cls = BatchRotatingKVCache if merge is None else type(
                 "BatchRotatingKVCache", (BatchRotatingKVCache,), {"merge": classmethod(merge)})
-            rows = [RotatingKVCache(max_size=window) for _ in range(s.batch_size)]
+            rows = [RotatingKVCache(max_size=window + keep, keep=keep)
+                    for _ in range(s.batch_size)]
+            window_size = None if keep else window
 
             def alone(b, t, q, k, v, out):  # a prompt: one row, its own cache
-                mask = rows[b].make_mask(len(t), window_size=window)
+                mask = rows[b].make_mask(len(t), window_size=window_size)
                 keys, values = rows[b].update_and_fetch(_to_mx(k[b:b + 1, :, t]),
                                                         _to_mx(v[b:b + 1, :, t]))
                 out[b:b + 1, :, t] = _mlx_sdpa(q[b:b + 1, :, t], keys, values, mask)
@@ -453,10 +459,14 @@ def _mlx_server(merge: Callable | None) -> Callable[[int], MakeStep]:
                 for b in fresh:  # a new request: its first token is its prompt
                     alone(b, torch.tensor([0]), q, k, v, out)
                 active = [b for b in range(q.shape[0]) if real[b] and b not in fresh]
+                if not batched:  # each request decodes alone
+                    for b in active:
+                        alone(b, torch.tensor([0]), q, k, v, out)
+                    return out
                 if not active:
                     return out
                 batch = batch_cls.merge([rows[b] for b in active])
-                mask = batch.make_mask(1, window_size=window)
+                mask = batch.make_mask(1, window_size=window_size)
                 keys, values = batch.update_and_fetch(_to_mx(k[active]), _to_mx(v[active]))
                 out[active] = _mlx_sdpa(q[active], keys, values, mask)
                 for i, b in enumerate(active):
@@ -625,6 +635,16 @@ EXHIBITS |= {e.name: e for e in [
         f"{_MLX_REAL}: merge slices by `c.size()` (mlx-lm PR #1072)",
         _mlx_server(merge_031), _mlx_server(None), "error", batch_size=2, ragged=True,
         max_chunk=None, dtype=torch.float32),
+    Exhibit(
+        "mlx_lm_1631", "mlx-lm", "#1631", f"{_MLX}/issues/1631",
+        "A request's cache keeps `keep` sinks, but the batch it decodes in "
+        "(BatchRotatingKVCache: merge, extract) has no `keep`, so the sinks are overwritten "
+        "once the ring wraps.",
+        "mlx-lm as installed: RotatingKVCache(W + S, keep=S), merged into and extracted from "
+        "BatchRotatingKVCache, as BatchGenerator decodes",
+        "no upstream fix (open); ours: a request whose cache keeps sinks decodes alone",
+        _mlx_server(None, keep=2), _mlx_server(None, keep=2, batched=False), "window",
+        sinks=2, batch_size=2, ragged=True, max_chunk=1, dtype=torch.float32),
     Exhibit(
         "vllm_metal_117", "vllm-metal", "PR #117", "https://github.com/vllm-project/vllm-metal/pull/117",
         "BatchRotatingKVCache.merge sizes each row's slice by `offset`, every token the row "

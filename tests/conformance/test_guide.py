@@ -1,0 +1,26 @@
+"""The guide's four adapters (README, chapter 14) pass the kit in their layouts."""
+
+import torch
+
+from ringviz.conformance import check
+from ringviz.conformance.guide import hf_layer, mlx_cache, server_rows, speculative_layer
+
+
+def test_hf_layer_passes():
+    assert check(hf_layer(4), window=4, examples=40).ok
+
+
+def test_mlx_cache_passes():
+    assert check(mlx_cache(4), window=4, examples=40, dtype=torch.float32).ok
+
+
+def test_server_rows_passes_with_rows_joining():
+    report = check(server_rows(4), window=4, batch_size=3, ragged=True, layout="rows",
+                   examples=40, dtype=torch.float32)
+    assert report.ok, str(report)
+
+
+def test_speculative_layer_rewinds():
+    report = check(speculative_layer(4), window=4, rewind=True, examples=40)
+    assert report.ok, str(report)
+    assert report.examples > report.skipped  # most rewinds were taken, not declined
