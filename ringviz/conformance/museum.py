@@ -526,7 +526,7 @@ def paged_blocks(window: int, block_size: int = 2) -> MakeStep:
                 mask = band_mask(positions[b:b + 1], key_pos, window)
                 outs.append(attend(q[b:b + 1], keys, values, mask))
                 newest = int(positions[b].max())
-                for i in [i for i in tables[b] if (i + 1) * block_size - 1 <= newest - window]:
+                for i in [i for i in tables[b] if (i + 1) * block_size - 1 <= newest - window + 1]:
                     free.append(tables[b].pop(i))  # no later query reaches this block
             return torch.cat(outs, 0)
 
