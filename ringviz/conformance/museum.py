@@ -57,6 +57,7 @@ class Exhibit:
     examples: int = 60  # schedules for the fix (a bug stops at its first failure)
     upstream_fix: Callable[[int], MakeStep] | None = None  # a project's fix that still breaks
     rewind: bool = False  # schedules that rewind (the step has rewind(n))
+    listing: tuple[str, str] = ("museum.py", "")  # (file in ringviz/conformance, pyobject)
 
     def check(self, make: Callable[[int], MakeStep], examples: int | None = None) -> Report:
         """Check ``make(window)`` at this exhibit's setting."""
@@ -585,7 +586,8 @@ EXHIBITS: dict[str, Exhibit] = {e.name: e for e in [
         "(SlidingWindowCache.update) and models/mistral/modeling_mistral.py#L689-L702 (mask)",
         "transformers v4.52.4 (PR #38046): src/transformers/cache_utils.py#L95-L119",
         _hf_sliding_window_cache(hf451_sliding_update),
-        _hf_sliding_window_cache(hf452_sliding_update), "window", max_chunk=1),
+        _hf_sliding_window_cache(hf452_sliding_update), "window", max_chunk=1,
+        listing=("museum.py", "hf451_sliding_update")),
     Exhibit(
         "rasbt_1008", "LLMs-from-scratch", "#1008", f"{_RASBT}/issues/1008",
         "The cache is cut to its last W keys before a chunk attends, so the chunk's early "
@@ -593,7 +595,8 @@ EXHIBITS: dict[str, Exhibit] = {e.name: e for e in [
         "transcribed from rasbt/LLMs-from-scratch@4612d20: ch04/06_swa/gpt_with_kv_swa.py"
         "#L58-L76 (cache) and #L101-L108 (mask)",
         "rasbt/LLMs-from-scratch@28c65cd (PR #1013): the same file, #L58-L84",
-        _rasbt_swa(fixed=False), _rasbt_swa(fixed=True), "window", batch_size=2),
+        _rasbt_swa(fixed=False), _rasbt_swa(fixed=True), "window", batch_size=2,
+        listing=("museum.py", "_rasbt_swa")),
     Exhibit(
         "mistralrs_246", "mistral.rs", "#246", f"{_MRS}/issues/246",
         "The KV cache is concatenated and never sliced, and a one-token step gets no mask, so "
@@ -603,7 +606,8 @@ EXHIBITS: dict[str, Exhibit] = {e.name: e for e in [
         "PR #244 (d442e02) narrows the cache only when it holds more than W keys (`>`), so the "
         "step at position W still sees W + 1; `>=` (ours, one character) passes",
         _mistralrs_decode(None), _mistralrs_decode(lambda n, w: n >= w), "window",
-        max_chunk=1, upstream_fix=_mistralrs_decode(lambda n, w: n > w)),
+        max_chunk=1, upstream_fix=_mistralrs_decode(lambda n, w: n > w),
+        listing=("museum.py", "_mistralrs_decode")),
 ]}
 _MLX = "https://github.com/ml-explore/mlx-lm"
 _MLX_REAL = "mlx-lm as installed (the fixed release)"
@@ -616,7 +620,8 @@ EXHIBITS |= {e.name: e for e in [
         "installed KVCache and create_attention_mask",
         f"{_MLX_REAL}: create_causal_mask with `<` (PR #390, 6fd60d3)",
         _mlx_windowed_kv(lambda N, off, ra, w: causal_mask_pre390(N, off, w)),
-        _mlx_windowed_kv(None), "window", dtype=torch.float32),
+        _mlx_windowed_kv(None), "window", dtype=torch.float32,
+        listing=("museum.py", "causal_mask_pre390")),
     Exhibit(
         "mlx_lm_843", "mlx-lm", "PR #843", f"{_MLX}/pull/843",
         "create_attention_mask returns no mask for a single token, so a sliding layer on a "
@@ -625,7 +630,8 @@ EXHIBITS |= {e.name: e for e in [
         "the installed KVCache",
         f"{_MLX_REAL}: a window mask for one token too (PR #843, 25a4c83)",
         _mlx_windowed_kv(attention_mask_pre843), _mlx_windowed_kv(None), "window",
-        dtype=torch.float32),
+        dtype=torch.float32,
+        listing=("museum.py", "attention_mask_pre843")),
     Exhibit(
         "omlx_543", "oMLX", "#543", "https://github.com/jundot/omlx/issues/543",
         "BatchRotatingKVCache.merge sizes each row's slice by its write cursor `_idx`, which "
@@ -634,7 +640,8 @@ EXHIBITS |= {e.name: e for e in [
         "mlx_lm/models/cache.py#L1343-L1374 (merge), on the installed caches",
         f"{_MLX_REAL}: merge slices by `c.size()` (mlx-lm PR #1072)",
         _mlx_server(merge_031), _mlx_server(None), "error", batch_size=2, ragged=True,
-        max_chunk=None, dtype=torch.float32),
+        max_chunk=None, dtype=torch.float32,
+        listing=("museum.py", "merge_031")),
     Exhibit(
         "mlx_lm_1631", "mlx-lm", "#1631", f"{_MLX}/issues/1631",
         "A request's cache keeps `keep` sinks, but the batch it decodes in "
@@ -644,7 +651,8 @@ EXHIBITS |= {e.name: e for e in [
         "BatchRotatingKVCache, as BatchGenerator decodes",
         "no upstream fix (open); ours: a request whose cache keeps sinks decodes alone",
         _mlx_server(None, keep=2), _mlx_server(None, keep=2, batched=False), "window",
-        sinks=2, batch_size=2, ragged=True, max_chunk=1, dtype=torch.float32),
+        sinks=2, batch_size=2, ragged=True, max_chunk=1, dtype=torch.float32,
+        listing=("museum.py", "_mlx_server")),
     Exhibit(
         "vllm_metal_117", "vllm-metal", "PR #117", "https://github.com/vllm-project/vllm-metal/pull/117",
         "BatchRotatingKVCache.merge sizes each row's slice by `offset`, every token the row "
@@ -653,7 +661,8 @@ EXHIBITS |= {e.name: e for e in [
         "mlx_lm/models/cache.py#L1169-L1198 (merge), on the installed caches",
         f"{_MLX_REAL}: merge slices by what each row holds (mlx-lm PR #738, then #1072)",
         _mlx_server(merge_029), _mlx_server(None), "error", batch_size=2, ragged=True,
-        dtype=torch.float32),
+        dtype=torch.float32,
+        listing=("museum.py", "merge_029")),
 ]}
 _LIT = "https://github.com/Lightning-AI/litgpt"
 EXHIBITS |= {e.name: e for e in [
@@ -664,7 +673,8 @@ EXHIBITS |= {e.name: e for e in [
         "transcribed from Lightning-AI/litgpt@ba331d6: litgpt/model.py#L475-L492 (mask) and "
         "#L1048 (KVCache.forward)",
         "Lightning-AI/litgpt@3023ca8 (PR #2153): a ring of W slots, litgpt/model.py KVCache",
-        _litgpt("ba331d6"), _litgpt("3023ca8"), "window", max_chunk=1),
+        _litgpt("ba331d6"), _litgpt("3023ca8"), "window", max_chunk=1,
+        listing=("museum.py", "_litgpt")),
     Exhibit(
         "litgpt_2182", "litgpt", "#2182", f"{_LIT}/issues/2182",
         "A chunk is written into the ring before it attends, under a mask of absolute positions "
@@ -675,7 +685,8 @@ EXHIBITS |= {e.name: e for e in [
         "PR #2215 (d28a00d) refuses a chunk longer than W but still breaks on a chunk after "
         "the wrap; ours: feed a chunk token by token, litgpt's decode path",
         _litgpt("3023ca8"), _litgpt("3023ca8", token_by_token=True), "window",
-        upstream_fix=_litgpt("d28a00d")),
+        upstream_fix=_litgpt("d28a00d"),
+        listing=("museum.py", "_litgpt")),
 ]}
 
 
@@ -690,6 +701,7 @@ class Convention:
     number: str  # the library's parameter, in its own words
     visible: Callable[[torch.Tensor, int], torch.Tensor] | None  # (q - k, n) -> visible
     window_for: Callable[[int], int]  # the library's number -> the kit's window
+    window_text: str  # the same, in words: "sliding_window", "left + 1"
     source: str
     real: Callable[[int], MakeStep] | None = None  # a real library cache, if one runs here
 
@@ -720,33 +732,42 @@ def _hf_dynamic(n: int) -> MakeStep:
     return hf_dynamic_sliding(n)
 
 
+def _below(d: torch.Tensor, n: int) -> torch.Tensor:
+    """``0 <= q - k < n``: n keys."""
+    return (d >= 0) & (d < n)
+
+
+def _up_to(d: torch.Tensor, n: int) -> torch.Tensor:
+    """``0 <= q - k <= n``: n + 1 keys."""
+    return (d >= 0) & (d <= n)
+
+
+_LLAMA = "ggml-org/llama.cpp src/llama-hparams.cpp, llama_hparams::is_masked_swa"
 CONVENTIONS: list[Convention] = [
-    Convention("transformers, mlx-lm", "`0 <= q - k < W`", "sliding_window = W",
-               lambda d, n: (d >= 0) & (d < n), lambda n: n,
+    Convention("transformers, mlx-lm", "`0 <= q - k < W`", "sliding_window", _below,
+               lambda n: n, "sliding_window",
                "transformers masking_utils sliding_window_overlay; mlx-lm create_causal_mask"),
     Convention("FlashAttention", "`window_size=(left, right)`: `q - left <= k <= q + right`",
-               "left = W - 1, right = 0", lambda d, n: (d >= 0) & (d <= n), lambda n: n + 1,
+               "left (right = 0)", _up_to, lambda n: n + 1, "left + 1",
                "Dao-AILab/flash-attention flash_attn_func docstring (inclusive, bottom-right)"),
-    Convention("FlashInfer", "`window_left`: at most `window_left + 1` keys",
-               "window_left = W - 1", lambda d, n: (d >= 0) & (d <= n), lambda n: n + 1,
+    Convention("FlashInfer", "`window_left`: at most `window_left + 1` keys", "window_left",
+               _up_to, lambda n: n + 1, "window_left + 1",
                "flashinfer BatchPrefillWithPagedKVCacheWrapper.plan(window_left=...)"),
     Convention("mistral-inference (reference)",
                "`triu(tril(ones), diagonal=-sliding_window)`: `0 <= q - k <= W`",
-               "sliding_window = W", lambda d, n: (d >= 0) & (d <= n), lambda n: n + 1,
+               "sliding_window", _up_to, lambda n: n + 1, "sliding_window + 1",
                "mistralai/mistral-inference@215fc80: one_file_ref.py, Transformer.forward"),
     Convention("transformers DynamicSlidingWindowLayer",
-               "keeps the last `W - 1` keys, then appends the new ones", "sliding_window = W",
-               None, lambda n: n, "transformers cache_utils.DynamicSlidingWindowLayer (the "
-               "installed one, with its masks and sdpa)", real=_hf_dynamic),
-    Convention("llama.cpp, standard SWA", "masked when `p1 - p0 >= n_swa`", "n_swa = W",
-               lambda d, n: (d >= 0) & (d < n), lambda n: n,
-               "ggml-org/llama.cpp src/llama-hparams.cpp is_masked_swa, "
-               "LLAMA_SWA_TYPE_STANDARD"),
+               "keeps the last `W - 1` keys, then appends the new ones", "sliding_window",
+               None, lambda n: n, "sliding_window",
+               "transformers cache_utils.DynamicSlidingWindowLayer (the installed one, with "
+               "its masks and sdpa)", real=_hf_dynamic),
+    Convention("llama.cpp, standard SWA", "masked when `p1 - p0 >= n_swa`", "n_swa", _below,
+               lambda n: n, "n_swa", f"{_LLAMA}, LLAMA_SWA_TYPE_STANDARD"),
     Convention("llama.cpp, symmetric SWA",
-               "masked when `p1 - p0 < -n_swa / 2` or `> n_swa / 2`", "n_swa = W",
+               "masked when `p1 - p0 < -n_swa / 2` or `> n_swa / 2`", "n_swa",
                lambda d, n: (d >= -(n // 2)) & (d <= n // 2), lambda n: n // 2 + 1,
-               "ggml-org/llama.cpp src/llama-hparams.cpp is_masked_swa, "
-               "LLAMA_SWA_TYPE_SYMMETRIC (not causal: later keys too)"),
+               "none: not causal", f"{_LLAMA}, LLAMA_SWA_TYPE_SYMMETRIC (later keys too)"),
 ]
 
 
@@ -805,7 +826,8 @@ EXHIBITS |= {e.name: e for e in [
         "PR #1427's rule (closed unmerged): fall back to target-only decoding when the ring can "
         "no longer be trimmed (here: the rewind declines the state)",
         _mlx_rewinding(MlxStep), _mlx_rewinding(_TrimWhenSafe), "window",
-        dtype=torch.float32, rewind=True),
+        dtype=torch.float32, rewind=True,
+        listing=("adapters.py", "MlxStep.rewind")),
     Exhibit(
         "mlx_vlm_1715", "mlx-vlm", "#1715", f"{_VLM}/issues/1715",
         "Prompt-cache reuse cuts a rotating cache with a flat slice `keys[..., :prefix_len, :]` "
@@ -815,5 +837,6 @@ EXHIBITS |= {e.name: e for e in [
         "PR #1748: reuse a prefix only while the cache still holds its whole sequence (not yet "
         "wrapped), trimming through the cache's own trim(); else a cold prefill",
         _mlx_rewinding(_VlmSliceTrim), _mlx_rewinding(_TrimWhenSafe), "window",
-        dtype=torch.float32, rewind=True),
+        dtype=torch.float32, rewind=True,
+        listing=("museum.py", "_VlmSliceTrim.rewind")),
 ]}

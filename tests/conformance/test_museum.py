@@ -59,3 +59,14 @@ def test_exhibit_check_uses_its_setting():
     report = e.check(e.fixed, examples=5)
     assert (report.window, report.max_chunk, report.dtype) == (e.window, 1, "float64")
     assert str(torch.float64).endswith(report.dtype)
+
+
+def test_listings_name_real_objects():
+    import importlib
+
+    for e in EXHIBITS.values():  # the chapter shows these with literalinclude :pyobject:
+        path, name = e.listing
+        obj = importlib.import_module(f"ringviz.conformance.{path.removesuffix('.py')}")
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        assert callable(obj), e.name
