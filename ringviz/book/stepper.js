@@ -148,7 +148,7 @@ function drawCircle(svg, view, f, cx, cy, r, colors) {
  * chunk keys that the ring did not keep are marked "never stored". Returns the height used. */
 function drawBand(svg, view, f, x0, y0, cell, rowsShown, colors) {
   const q = f.queries[0], k = f.keys[0], inChunk = new Set(q), kept = new Set(f.positions[0]);
-  label(svg, x0, y0 + 8, `mask of this step: query (rows) x key position (columns), W=${view.window}${view.sinks ? `, ${view.sinks} sinks` : ""}`,
+  label(svg, x0, y0 + 8, `mask of this step: query (rows) x key in slot order (columns), W=${view.window}${view.sinks ? `, ${view.sinks} sinks` : ""}`,
     { "text-anchor": "start", "font-size": 13, "font-weight": "bold" });
   const gx = x0 + 40, top = y0 + 26;
   const ringKeys = k.filter((key) => !inChunk.has(key));

@@ -111,7 +111,9 @@ class Frame:
     evicted: list[list[int]]  # per row: positions that left the cache this step
     moved: list[int]  # per row: surviving entries that changed slot (0 for a ring)
     queries: list[list[int]] = field(default_factory=list)  # per row: this step's query positions
-    keys: list[list[int]] = field(default_factory=list)  # per row: key positions attended, sorted
+    # per row: key positions attended, in the order attention reads them (the ring's slots, then
+    # the chunk), empty slots left out: slot order, not sorted, as the code attends
+    keys: list[list[int]] = field(default_factory=list)
     band: list[list[list[bool]]] = field(default_factory=list)  # per row: (queries, keys) mask
     slot_state: list[list[str]] = field(default_factory=list)  # per row/slot, newest query's view
     rope_abs: list[list[float | None]] = field(default_factory=list)  # angle at absolute pos
@@ -190,7 +192,7 @@ def _ring_frame(kind: str, scenario: Scenario, before: np.ndarray, after: np.nda
     """A frame of a ring trace; ``attended`` is what the step's queries saw (ring + chunk)."""
     window, sinks = scenario.window, scenario.sinks
     written, evicted, moved = _diff(before, after)
-    keys = [sorted(set(row) - {-1}) for row in attended.tolist()]
+    keys = [[p for p in row if p >= 0] for row in attended.tolist()]  # slot order
     band = [band_mask(np.array(q, dtype=np.int64), np.array(k, dtype=np.int64), window,
                       sinks).tolist()
             for q, k in zip(queries, keys, strict=True)]

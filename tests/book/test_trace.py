@@ -115,7 +115,7 @@ def test_band_of_a_chunk_covers_ring_and_chunk():
     s = Scenario(window=4, prompt=10, chunk=3, decode_steps=0)
     frame = trace_scenario(s).frames[3]  # chunk 6..8 over a ring holding 2..5
     assert frame.queries == [[6, 7, 8]]
-    assert frame.keys == [[2, 3, 4, 5, 6, 7, 8]]
+    assert frame.keys == [[4, 5, 2, 3, 6, 7, 8]]  # slots 0..3 (4 % 4 = 0), then the chunk
     expected = band_mask(np.array([6, 7, 8]), np.array(frame.keys[0]), 4)
     assert frame.band == [expected.tolist()]
     assert [sum(r) for r in frame.band[0]] == [4, 4, 4]

@@ -293,7 +293,7 @@ def test_strip_of_a_single_row_ring_shows_each_step_mask():
     assert len(masks) == len(trace.frames)
     # step 2: chunk 3..5 over a ring holding 0..2 -> 3 x 6 cells, ring and chunk bracketed
     assert len(masks[2].patches) == 18
-    assert {"ring", "chunk"} <= set(_texts(masks[2]))
+    assert {"ring, in slot order", "chunk"} <= set(_texts(masks[2]))
     assert "stale" in _legend(fig.axes[-2])  # the last ring axes holds the legend
 
 
@@ -301,7 +301,8 @@ def test_chunk_keys_strike_the_tokens_never_stored():
     trace = trace_scenario(Scenario(window=4, prompt=11, chunk=6, decode_steps=0))
     ax = viz.draw_chunk_keys(trace, 2)  # chunk 6..10 over a ring holding 2..5
     keys = [t for t in ax.texts if t.get_position()[1] == pytest.approx(0.15)]
-    assert [t.get_text() for t in keys] == ["2", "3", "4", "5", "6", "7", "8", "9", "10"]
+    # the ring's keys in slot order (slot 0 holds 4), as attention reads them, then the chunk
+    assert [t.get_text() for t in keys] == ["4", "5", "2", "3", "6", "7", "8", "9", "10"]
     struck = [t.get_text() for t in keys if t.get_color() == viz.style.EVICT_COLOR]
     assert struck == ["6"] and len(ax.patches) == 5 * 9
     with pytest.raises(ValueError, match="not a chunk step"):
