@@ -217,7 +217,7 @@ def _mask(ax: Axes, f: Frame, row: int = 0, *, fontsize: float = 9,
                     linestyle="-", marker="")
     n_ring = sum(k not in chunk for k in keys)
     if groups and len(queries) > 1:
-        for a, b, name in ((0, n_ring, "ring, in slot order"), (n_ring, len(keys), "chunk")):
+        for a, b, name in ((0, n_ring, "slots"), (n_ring, len(keys), "chunk")):
             if b > a:
                 # explicit style: the book's line cycle would add markers and dashes
                 ax.plot([a + 0.1, a + 0.1, b - 0.1, b - 0.1], [1.05, 1.2, 1.2, 1.05],

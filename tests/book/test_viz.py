@@ -293,7 +293,7 @@ def test_strip_of_a_single_row_ring_shows_each_step_mask():
     assert len(masks) == len(trace.frames)
     # step 2: chunk 3..5 over a ring holding 0..2 -> 3 x 6 cells, ring and chunk bracketed
     assert len(masks[2].patches) == 18
-    assert {"ring, in slot order", "chunk"} <= set(_texts(masks[2]))
+    assert {"slots", "chunk"} <= set(_texts(masks[2]))
     assert "stale" in _legend(fig.axes[-2])  # the last ring axes holds the legend
 
 
