@@ -24,3 +24,14 @@ def test_speculative_layer_rewinds():
     report = check(speculative_layer(4), window=4, rewind=True, examples=40)
     assert report.ok, str(report)
     assert report.examples > report.skipped  # most rewinds were taken, not declined
+
+
+def test_readme_shows_the_guide_as_it_is():
+    import inspect
+    from pathlib import Path
+
+    from ringviz.conformance import guide
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for name in ("hf_layer", "mlx_cache", "server_rows", "SpeculativeStep", "speculative_layer"):
+        assert inspect.getsource(getattr(guide, name)).rstrip("\n") in readme, name
