@@ -236,11 +236,11 @@ def window_failure(weights: torch.Tensor, schedule: Schedule, positions: torch.T
 
 
 def forgotten_ids(schedule: Schedule, b: int, c: int) -> set[int]:
-    """Ids of row ``b``'s keys that a rewind forgot before column ``c``'s query, and that
-    were not fed again."""
+    """Ids of row ``b``'s keys that a rewind forgot before column ``c``'s query (some fed
+    again since, as the same keys)."""
     end = schedule.bounds()[schedule.chunk_of(c)][1]
     held, ids = schedule.held()[c], schedule.token_ids()[b]
-    return set(ids[:end][~held[:end]].tolist()) - set(ids[held].tolist())
+    return set(ids[:end][~held[:end]].tolist())
 
 
 def _compare(w: torch.Tensor, b: int, c: int, positions: torch.Tensor, want: torch.Tensor,
@@ -249,19 +249,20 @@ def _compare(w: torch.Tensor, b: int, c: int, positions: torch.Tensor, want: tor
     window (``forgotten``: positions of seen keys a rewind forgot)."""
     N = positions.shape[1]
     counts, blank = read_seen(w, noise)
-    expected = sorted(int(positions[b, j % N]) for j in want.nonzero()[:, 0])
+    want_ids = want.nonzero()[:, 0].tolist()
+    if blank == 0 and counts == dict.fromkeys(want_ids, 1):
+        return None  # the same keys, by id: a forgotten key at a reused position shows
+    expected = sorted(int(positions[b, j % N]) for j in want_ids)
     seen, others, forgot = [-1] * blank, [], []
     for j, n in counts.items():
         row, col = divmod(j, N)
         if row == b:
             seen += [int(positions[row, col])] * n
-            forgot += [int(positions[row, col])] * n if j in forgotten else []
+            if j in forgotten:  # its copies beyond the one held, if one is
+                forgot += [int(positions[row, col])] * (n - (j in want_ids))
         else:
             others += [(row, int(positions[row, col]))] * n
-    seen.sort()
-    if seen == expected and not others:
-        return None
-    return expected, seen, sorted(others), sorted(forgot)
+    return expected, sorted(seen), sorted(others), sorted(forgot)
 
 
 def _columns_of(schedule: Schedule, b: int, c: int) -> dict[int, int]:

@@ -94,7 +94,8 @@ class Failure:
         lines = [self._query(), f"expected keys {self.expected}", f"saw keys      {self.seen}",
                  f"missing {missing or 'none'}, extra {extra or 'none'}"]
         if self.forgotten:
-            lines.append(f"of which forgotten by a rewind {self.forgotten}")
+            lines.append(f"seen though a rewind forgot them (keys, not the ones fed there "
+                         f"since) {self.forgotten}")
         if self.other_rows:
             lines.append(f"and keys of other rows (row, position) {self.other_rows}")
         if -1 in (self.seen or []) or any(p == -1 for _, p in self.other_rows):
