@@ -840,3 +840,95 @@ EXHIBITS |= {e.name: e for e in [
         dtype=torch.float32, rewind=True,
         listing=("museum.py", "_VlmSliceTrim.rewind")),
 ]}
+
+
+# ------------------------------------------------------------------ transformers #48280
+def _recording_layer_pre48280():
+    """``DynamicSlidingWindowLayer`` before transformers PR #48280: while it records its past
+    (assisted decoding), ``update`` returns every key it holds, while ``get_mask_sizes`` still
+    promises the mask ``W - 1 + T`` columns."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    class RecordingLayer(DynamicSlidingWindowLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.record_past:
+                return super().update(key_states, value_states, *args, **kwargs)
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.cumulative_length += key_states.shape[-2]
+            full_key_states = torch.cat([self.keys, key_states], dim=-2)
+            full_value_states = torch.cat([self.values, value_states], dim=-2)
+            self.keys, self.values = full_key_states, full_value_states
+            return full_key_states, full_value_states
+
+    return RecordingLayer
+
+
+class _AssistedStep:
+    """One row through a transformers sliding layer recording its past, as assisted decoding
+    drives it: per forward the mask from ``create_sliding_window_causal_mask`` (sized by the
+    layer's ``get_mask_sizes``), ``cache.update``, then the sdpa attention function; a rewind
+    is ``cache.crop(-n)``, which takes back only tokens fed since the last crop."""
+
+    def __init__(self, layer, window: int, s: StepSpec) -> None:
+        from transformers import MistralConfig
+        from transformers.cache_utils import Cache
+
+        self.config = MistralConfig(sliding_window=window, num_attention_heads=s.num_heads,
+                                    num_key_value_heads=s.num_kv_heads)
+        self.config._attn_implementation = "sdpa"
+        layer.activate_past_recording()
+        self.cache, self.since_crop = Cache(layers=[layer]), 0
+        self.module = torch.nn.Module()  # what sdpa_attention_forward reads of a module
+        self.module.is_causal = True
+        self.module.num_key_value_groups = s.num_heads // s.num_kv_heads
+
+    def __call__(self, q, k, v, positions):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
+        mask = create_sliding_window_causal_mask(self.config, q.new_zeros(1, q.shape[2], 1),
+                                                 None, self.cache, positions)
+        keys, values = self.cache.update(k, v, 0)
+        self.since_crop += k.shape[2]
+        out, _ = sdpa_attention_forward(self.module, q, keys, values, mask,
+                                        scaling=q.shape[-1] ** -0.5,
+                                        sliding_window=self.config.sliding_window)
+        return out.transpose(1, 2)
+
+    def rewind(self, n: int) -> None:
+        if n > self.since_crop:
+            raise Unsupported(f"crop takes back the {self.since_crop} tokens fed since the "
+                              f"last crop, not {n}")
+        self.cache.crop(-n)
+        self.since_crop = 0
+
+
+def _hf_assisted(layer_cls: Callable | None) -> Callable[[int], MakeStep]:
+    """:class:`_AssistedStep` over ``layer_cls`` (None: the installed
+    ``DynamicSlidingWindowLayer``)."""
+    def factory(window: int) -> MakeStep:
+        def build(s: StepSpec) -> Step:
+            from transformers.cache_utils import DynamicSlidingWindowLayer
+
+            cls = layer_cls() if layer_cls is not None else DynamicSlidingWindowLayer
+            return _AssistedStep(cls(sliding_window=window), window, s)
+
+        return prebuilt(build)
+
+    return factory
+
+
+EXHIBITS |= {e.name: e for e in [
+    Exhibit(
+        "hf_48280", "transformers", "PR #48280", f"{_HF}/pull/48280",
+        "While a sliding layer records its past for assisted decoding, `update` returns every "
+        "key it holds, but the mask is sized for the last W - 1 keys and the chunk.",
+        "transcribed from transformers before PR #48280 (after #47447): "
+        "src/transformers/cache_utils.py, DynamicSlidingWindowLayer.update's recording branch, "
+        "on the installed layer, masks and sdpa",
+        "transformers as installed: update returns the last W - 1 + T keys, as the mask "
+        "expects (PR #48280)",
+        _hf_assisted(_recording_layer_pre48280), _hf_assisted(None), "error", rewind=True,
+        listing=("museum.py", "_recording_layer_pre48280")),
+]}
