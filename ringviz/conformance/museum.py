@@ -616,7 +616,7 @@ EXHIBITS |= {e.name: e for e in [
         "mlx_lm_390", "mlx-lm", "PR #390", f"{_MLX}/pull/390",
         "create_causal_mask's window test `linds <= rinds + window_size` lets each query see "
         "W + 1 keys.",
-        "transcribed from ml-explore/mlx-lm@6fd60d3^: mlx_lm/models/base.py#L31-L38, on the "
+        "transcribed from ml-explore/mlx-lm@6fd60d3^: mlx_lm/models/base.py#L32-L38, on the "
         "installed KVCache and create_attention_mask",
         f"{_MLX_REAL}: create_causal_mask with `<` (PR #390, 6fd60d3)",
         _mlx_windowed_kv(lambda N, off, ra, w: causal_mask_pre390(N, off, w)),
