@@ -81,6 +81,9 @@ class Schedule:
     @cached_property
     def _trace(self) -> _Trace:
         """Run the schedule's sequence; ValueError for a rewind it cannot make."""
+        for r in self.rewinds:
+            if not (type(r.after) is int and type(r.n) is int and isinstance(r.same, bool)):
+                raise TypeError(f"a rewind is (after: int, n: int, same: bool), got {tuple(r)}")
         afters = [r.after for r in self.rewinds]
         if afters != sorted(set(afters)) or any(not 0 <= a < len(self.chunks) - 1
                                                 for a in afters):

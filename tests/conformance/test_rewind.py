@@ -177,6 +177,8 @@ def test_schedules_rewind_only_where_every_row_holds_the_tokens():
         Schedule((2, 2), (0, 2), rewinds=((0, 1),))
     with pytest.raises(ValueError, match="after distinct chunks"):
         Schedule((2, 2), rewinds=((1, 1),))  # nothing after it
+    with pytest.raises(TypeError, match="n: int"):
+        Schedule((2, 2), rewinds=((0, 1.5),))
 
 
 def test_drawn_schedules_rewind_and_without_rewind_never():
