@@ -58,11 +58,11 @@ _CONTRAST_JS = """
     const ratio = (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05);
     checked += 1;
     worst = Math.min(worst, ratio);
-    if (ratio < %s) bad.push(`${el.tagName.toLowerCase()}.${el.className}: ${ratio.toFixed(2)} "${el.textContent.trim().slice(0, 30)}"`);
+    if (ratio < __MIN__) bad.push(`${el.tagName.toLowerCase()}.${el.className}: ${ratio.toFixed(2)} "${el.textContent.trim().slice(0, 30)}"`);
   }
   return {checked, bad, worst, page: getComputedStyle(document.body).backgroundColor};
 }
-""" % MIN_CONTRAST
+""".replace("__MIN__", str(MIN_CONTRAST))
 
 _SIDEWAYS_JS = """
 () => [...document.querySelectorAll("article *")]
