@@ -102,13 +102,16 @@ def _cmd_conform(args: argparse.Namespace) -> dict:
 
     if args.list:
         caches = [{"name": p.name, "what": p.what, "version": p.version(),
-                   "sinks": p.sinks, "ragged": p.ragged, "expect": p.expect or "pass"}
+                   "sinks": p.sinks, "ragged": p.ragged, "rewind": p.rewind, "layout": p.layout,
+                   "expect": p.expect or "pass"}
                   for p in PEERS.values()]
         if not args.json:
             width = max(len(c["name"]) for c in caches)
             for c in caches:
                 tag = f"(pitfall: breaks {c['expect']})" if c["expect"] != "pass" else c["version"]
-                print(f"{c['name']:<{width}}  {c['what']}  [{tag}]")
+                how = ", ".join(w for w, on in (("rewinds", c["rewind"]),
+                                                ("rows layout", c["layout"] == "rows")) if on)
+                print(f"{c['name']:<{width}}  {c['what']}  [{tag}]" + (f" ({how})" if how else ""))
         return {"caches": caches}
     if args.cache is None:
         raise ValueError("conform needs --cache NAME (or --list)")

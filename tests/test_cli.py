@@ -73,6 +73,8 @@ def test_conform_list_and_exit_status(capsys):
     names = {c["name"]: c for c in caches}
     assert {"ringviz_ring", "hf_dynamic_sliding", "mlx_rotating", "off_by_one"} <= set(names)
     assert names["off_by_one"]["expect"] == "window" and names["ringviz_ring"]["expect"] == "pass"
+    assert names["ringviz_rows"]["rewind"] and names["ringviz_rows"]["layout"] == "rows"
+    assert not names["ringviz_ring"]["rewind"] and names["ringviz_ring"]["layout"] == "padded"
     assert main(["conform", "--cache", "ringviz_ring", "--window", "4", "--examples", "5",
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
