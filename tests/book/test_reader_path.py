@@ -1,8 +1,10 @@
 """The reader's two ways in: the intro's 30-minute path and the "When it breaks" page.
 
-The path must name at least six sections of chapters that exist, each by a ``{doc}`` link to the
-chapter and the section's title in italics, with a time in minutes; the titles must be headings
-of the linked chapter, so a renamed section breaks this test rather than the reader's path. The
+The path must name at least six sections of chapters that exist, each by a link straight to the
+section (``[Chapter N, *Title*](../notebooks/NN_name.ipynb#title-slug)``, the ids MyST gives
+headings with ``myst_heading_anchors``) with a time in minutes; the titles must be headings of the
+linked chapter and the anchors their slugs, so a renamed section breaks this test rather than the
+reader's path. The
 symptom page must hold at least ten symptom sections, each with its own label, linked from the
 table at its top, and each linking a chapter that exists.
 """
@@ -23,11 +25,20 @@ MIN_PATH_ITEMS = 6
 MIN_SYMPTOMS = 10
 
 _ITEM = re.compile(r"^\d+\. (.*?)(?=^\d+\. |^\S|\Z)", re.M | re.S)
-_DOC = re.compile(r"\{doc\}`[^`<]*<([^>`]+)>`")
+_DOC = re.compile(r"\]\(([^)#\s]+)#([\w-]+)\)")
 _TITLE = re.compile(r"\*([^*]+)\*")
 _MINUTES = re.compile(r"\((\d+) min\b")
 _LABEL = re.compile(r"^\(([\w-]+)\)=\s*\n## (.+)$", re.M)
 _CHAPTER = re.compile(r"\{doc\}`[^`<]*<(\d\d_[\w]+)>`")
+
+
+def slug(title: str) -> str:
+    """The id MyST gives a heading: lower case, punctuation dropped, spaces as hyphens.
+
+    >>> slug("The rule: rotate once, at the absolute position")
+    'the-rule-rotate-once-at-the-absolute-position'
+    """
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
 
 def headings(notebook: Path) -> set[str]:
@@ -70,11 +81,12 @@ def test_the_path_links_six_sections_that_exist():
     seen = set()
     for item in items:
         doc, title, minutes = _DOC.search(item), _TITLE.search(item), _MINUTES.search(item)
-        assert doc and title and minutes, f"an item needs a {{doc}} link, *title*, (N min): {item}"
+        assert doc and title and minutes, f"an item needs a [*title*](page#id) link, (N min): {item}"
         chapter = resolve(doc.group(1), INTRO)
         assert chapter is not None, f"{doc.group(1)} is no page of the book"
         name = " ".join(title.group(1).split())  # a title may wrap across lines
         assert name in headings(chapter), f"{chapter.name} has no section {name!r}"
+        assert doc.group(2) == slug(name), f"the link to {name!r} goes to #{doc.group(2)}"
         seen.add((chapter.name, name))
     assert len(seen) == len(items), "a section appears twice on the path"
 
