@@ -153,8 +153,9 @@ class Report:
                 "failures": [asdict(f) for f in self.failures]}
 
     def __str__(self) -> str:
-        what = (f"{self.name + ': ' if self.name else ''}window {self.window}, sinks "
-                f"{self.sinks}, batch {self.batch_size}{' ragged' if self.ragged else ''}"
+        # the setting as keyword values (W=8): "window" alone is also a property's name
+        what = (f"{self.name + ': ' if self.name else ''}W={self.window}, sinks={self.sinks}, "
+                f"batch={self.batch_size}{' ragged' if self.ragged else ''}"
                 + (f", chunks <= {self.max_chunk}" if self.max_chunk else "")
                 + (", rewinds" if self.rewind else "")
                 + (", rows layout" if self.layout == "rows" else ""))
