@@ -40,15 +40,20 @@ def ringviz_ring(window: int, sinks: int = 0) -> MakeStep:
     return prebuilt(build)
 
 
-def _rewind_ring(ring: RingKVCache, n: int) -> None:
-    """Forget each row's newest ``n`` positions (:meth:`RingKVCache.truncate`), or raise
+def _rewound_lengths(ring: RingKVCache, n: int) -> torch.Tensor:
+    """Each row's length once its newest ``n`` positions are forgotten, or
     :class:`Unsupported` where later tokens overwrote a key the next query needs."""
     lengths = ring.lengths - n
     try:
         ring.check_truncation(lengths)
     except ValueError as err:
         raise Unsupported(f"rewind({n}): {err}") from err
-    ring.truncate(lengths, check=False)
+    return lengths
+
+
+def _rewind_ring(ring: RingKVCache, n: int) -> None:
+    """Forget each row's newest ``n`` positions (:meth:`RingKVCache.truncate`)."""
+    ring.truncate(_rewound_lengths(ring, n), check=False)
 
 
 class DraftStep:
@@ -102,13 +107,9 @@ class RowsStep:
 
     def rewind(self, n: int) -> None:
         """Forget the newest ``n`` tokens of every row (each ring checked before any moves)."""
-        for ring in self.rings:
-            try:
-                ring.check_truncation(ring.lengths - n)
-            except ValueError as err:
-                raise Unsupported(f"rewind({n}): {err}") from err
-        for ring in self.rings:
-            _rewind_ring(ring, n)
+        lengths = [_rewound_lengths(ring, n) for ring in self.rings]
+        for ring, kept in zip(self.rings, lengths, strict=True):
+            ring.truncate(kept, check=False)
 
 
 def ringviz_rows(window: int, sinks: int = 0, drafts: int = 0) -> MakeStep:

@@ -226,21 +226,28 @@ def window_failure(weights: torch.Tensor, schedule: Schedule, positions: torch.T
         for b in range(B):
             if not off[b, c]:
                 continue
+            forgotten = forgotten_ids(schedule, b, c)
             for h in range(weights.shape[1]):
                 found = _compare(weights[b, h, c], b, c, positions, ids_expected[b, c], noise,
-                                 forgotten_ids(schedule, b, c))
+                                 forgotten)
                 if found is not None:
                     return _window(schedule, positions, mask, weights[:, h], b, c, found,
                                    noise)
     return None
 
 
+def _fed_by(schedule: Schedule, b: int, c: int) -> tuple[list[int], list[bool]]:
+    """Row ``b``'s token ids fed by the end of column ``c``'s chunk, and whether the cache
+    still holds each when ``c``'s query is answered (False: a rewind forgot it)."""
+    end = schedule.bounds()[schedule.chunk_of(c)][1]
+    return schedule.token_ids()[b, :end].tolist(), schedule.held()[c, :end].tolist()
+
+
 def forgotten_ids(schedule: Schedule, b: int, c: int) -> set[int]:
     """Ids of row ``b``'s keys that a rewind forgot before column ``c``'s query (some fed
     again since, as the same keys)."""
-    end = schedule.bounds()[schedule.chunk_of(c)][1]
-    held, ids = schedule.held()[c], schedule.token_ids()[b]
-    return set(ids[:end][~held[:end]].tolist())
+    ids, held = _fed_by(schedule, b, c)
+    return {i for i, h in zip(ids, held, strict=True) if not h}
 
 
 def _compare(w: torch.Tensor, b: int, c: int, positions: torch.Tensor, want: torch.Tensor,
@@ -268,10 +275,9 @@ def _compare(w: torch.Tensor, b: int, c: int, positions: torch.Tensor, want: tor
 def _columns_of(schedule: Schedule, b: int, c: int) -> dict[int, int]:
     """Row ``b``'s id -> the column that fed it as column ``c``'s query finds it: the held
     one, else the newest fed before the end of ``c``'s chunk (a forgotten key)."""
-    end = schedule.bounds()[schedule.chunk_of(c)][1]
-    held, ids = schedule.held()[c], schedule.token_ids()[b].tolist()
-    cols = {ids[j]: j for j in range(end) if not held[j]}
-    return cols | {ids[j]: j for j in range(end) if held[j]}
+    ids, held = _fed_by(schedule, b, c)
+    cols = {i: j for j, (i, h) in enumerate(zip(ids, held, strict=True)) if not h}
+    return cols | {i: j for j, (i, h) in enumerate(zip(ids, held, strict=True)) if h}
 
 
 def _window(schedule: Schedule, positions: torch.Tensor, mask: torch.Tensor,
