@@ -1,12 +1,7 @@
-"""The catalogue's bugs on a real model: each pitfall of :mod:`ringviz.conformance.pitfalls`,
-put under the model's sliding layers through the seam, next to the correct ring.
-
-``run_bugs`` decodes the same text through each buggy ring and the correct one, compares both
-with the band-mask reference (reference.py) and lets both generate a few greedy words, so a
-chapter can show the symptom (max |dlogit|, first diverging position, the words) and the fix
-agreeing. :func:`bug_ring` gives any pitfall as a ring factory for a model (its RoPE pitfalls
-turn with the model's own rotary embedding), for ``RingRunner(model, ..., ring=...)`` or
-``ringviz.hf.generate(model, ..., ring=...)``.
+"""The catalogue's bugs on a real model: each pitfall of :mod:`ringviz.conformance.pitfalls`
+under the model's sliding layers through the seam (:func:`bug_ring`, its RoPE pitfalls turning
+with the model's own rotary embedding), and :func:`run_bugs`, which shows each one's symptom
+against the band-mask reference next to the correct ring agreeing.
 
 =============  =========================================================  ================
 bug            what the code does wrong                                   first symptom
@@ -68,13 +63,13 @@ def first_divergence(ring: torch.Tensor, ref: torch.Tensor, tol: float = DIVERGE
 
 
 def _score(logits: list[torch.Tensor], refs: list[torch.Tensor]) -> dict:
-    firsts = [first_divergence(a, b) for a, b in zip(logits, refs, strict=True)]
-    diverged = [f for f in firsts if f >= 0]
-    same = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in zip(logits, refs, strict=True)])
-    return {"max_abs_logit_diff": max(float((a - b).abs().max())
-                                      for a, b in zip(logits, refs, strict=True)),
-            "first_diverging_position": min(diverged) if diverged else -1,
-            "first_diverging_row": firsts.index(min(diverged)) if diverged else -1,
+    pairs = list(zip(logits, refs, strict=True))
+    firsts = [first_divergence(a, b) for a, b in pairs]
+    first = min((f for f in firsts if f >= 0), default=-1)
+    same = torch.cat([a.argmax(-1) == b.argmax(-1) for a, b in pairs])
+    return {"max_abs_logit_diff": max(float((a - b).abs().max()) for a, b in pairs),
+            "first_diverging_position": first,
+            "first_diverging_row": firsts.index(first) if first >= 0 else -1,
             "argmax_agreement": float(same.double().mean())}
 
 

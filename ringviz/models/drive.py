@@ -2,28 +2,19 @@
 
 Hugging Face computes everything around attention (embeddings, RMSNorm, q/k/v projections,
 RoPE at the positions we pass, MLP, logits) with its own modules, so the ring path and an HF
-reference share every op but attention. In a float64 model that means HF's RoPE angles, which
-it computes in float32 even then, and RMSNorms in float64 (``load_model(float64)`` patches
-them: HF's float32 norm alone makes a decode and a full forward differ by ~1e-8). The float64
-tolerances of the tests and chapters (<= 1e-10) assume the reference runs attention through
-PyTorch SDPA (``attn_implementation="sdpa"``, what ``load_model`` sets): HF's "eager"
-attention takes its softmax in float32 even in float64 models, so an eager reference differs
-by ~1e-7, far above the float64 tolerances.
+reference share every op but attention. The float64 tolerances of the tests and chapters
+assume what ``load_model(dtype=float64)`` sets up: RMSNorms in float64, and the reference's
+attention through PyTorch SDPA (HF's "eager" attention takes its softmax in float32).
 
-A runner is a :class:`ringviz.hf.RingCache` (the one integration with transformers: one
-attention function, rings for sliding layers, growing full layers) fed explicit positions::
+A runner is a :class:`ringviz.hf.RingCache` (the one integration with transformers) fed
+explicit positions, so every model ``ringviz.hf`` serves, the runner serves, with the same
+numbers::
 
     runner.forward(ids, positions) -> cache plan (positions, masks per kind) -> HF layers:
         q, k, v (RoPE at positions) -> the layer's step: ring write -> attention
 
-so every model ``ringviz.hf`` serves, the runner serves, with the same numbers. Its stores are
-allocated up front: a ring per sliding layer, and per full-attention layer (Gemma 3's 5, 11,
-17) slots for ``length`` positions. A position at or past ``length`` is refused before any
-layer is written. Prompts are fed in chunks (:meth:`RingRunner.prefill`, default
-:data:`ringviz.hf.PREFILL_CHUNK`, ``generate``'s); the ring is exact for any chunk schedule. A
-forward stopped after some layers wrote (an exception, or Ctrl-C in a notebook) leaves the
-layers out of step: the runner then refuses every call until :meth:`RingRunner.reset`, rather
-than decode from a cache whose layers disagree.
+A forward stopped after some layers wrote (an exception, or Ctrl-C in a notebook) leaves the
+layers out of step, so the runner refuses every call until :meth:`RingRunner.reset`.
 """
 
 from __future__ import annotations
@@ -63,7 +54,6 @@ class RingRunner:
         self.model = model
         self.cache = RingCache(model, window=window, sinks=sinks,
                                sink_convention=sink_convention, ring=ring)
-        self.sinks, self.sink_convention = self.cache.sinks, sink_convention
         self.windows = self.cache.windows
         param = next(model.parameters())
         self.cache.allocate(self.batch_size, self.length, param.dtype, param.device)
@@ -71,11 +61,7 @@ class RingRunner:
                        for layer in self.cache.layers]
         self.prefill_chunk = PREFILL_CHUNK
         self._full = any(isinstance(c, FullLayer) for c in self.caches)
-        self._next = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        self._next = torch.zeros(batch_size, dtype=torch.int64, device=param.device)
 
     def _first_ring(self) -> RingKVCache | None:
         """The first of the runner's own rings (None if every ring is another's)."""

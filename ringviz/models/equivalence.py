@@ -15,10 +15,10 @@ import time
 import torch
 
 from ringviz.checks import check_int
-from ringviz.hf.config import layer_windows, read_layout
+from ringviz.hf.config import read_layout
 from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import get_spec, load_model
-from ringviz.models.reference import has_native_window, native_window, reference_logits
+from ringviz.models.reference import native_window, reference_logits
 from ringviz.models.text import eval_tokens
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -55,20 +55,12 @@ def compare(ring: list[torch.Tensor], ref: list[torch.Tensor]) -> dict:
             "argmax_agreement": float(same.double().mean())}
 
 
-def _check_args(model: str, prompt_tokens: int, new_tokens: int, batch: int, dtype: str) -> None:
-    get_spec(model)
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    check_int("prompt_tokens", prompt_tokens)
-    check_int("batch", batch)
-    check_int("new_tokens", new_tokens, minimum=0)
-
-
 def compare_model(lm, tokenizer, *, window: int | None, prompt_tokens: int, new_tokens: int,
                   batch: int, progress: bool = False) -> tuple[dict, list[torch.Tensor]]:
     """Ring decode vs reference on a loaded model: the result dict, and per row the max
     |dlogit| at each position ``(L_b,)`` (for plots)."""
-    layer_windows(lm, window)  # raises early for SmolLM2 without a window
+    layout = read_layout(lm)
+    layout.windows(window)  # raises early for SmolLM2 without a window
     tokens = eval_tokens(tokenizer, ROW_OFFSET * (batch - 1) + prompt_tokens + new_tokens,
                          device=lm.device)
     rows, lengths = ragged_rows(tokens, batch, prompt_tokens, new_tokens)
@@ -83,7 +75,7 @@ def compare_model(lm, tokenizer, *, window: int | None, prompt_tokens: int, new_
         "window": window, "dtype": str(next(lm.parameters()).dtype).removeprefix("torch."),
         "batch": batch, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "prompt_lengths": lengths,
-        "reference": ("hf_native_sliding_window_full_forward" if has_native_window(lm)
+        "reference": ("hf_native_sliding_window_full_forward" if layout.has_native_window
                       else "hf_full_forward_band_mask"),
         **compare(ring, ref),
         "ring_cache_bytes": runner.nbytes,
@@ -97,7 +89,12 @@ def compare_model(lm, tokenizer, *, window: int | None, prompt_tokens: int, new_
 def run_equivalence(model: str, window: int | None, prompt_tokens: int, new_tokens: int,
                     batch: int, dtype: str) -> dict:
     """Load ``model`` in ``dtype`` and compare ring decode with its reference (the CLI's dict)."""
-    _check_args(model, prompt_tokens, new_tokens, batch, dtype)
+    get_spec(model)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_int("prompt_tokens", prompt_tokens)
+    check_int("batch", batch)
+    check_int("new_tokens", new_tokens, minimum=0)
     t0 = time.perf_counter()
     lm, tokenizer = load_model(model, dtype=DTYPES[dtype])
     load_s = time.perf_counter() - t0

@@ -3,8 +3,8 @@
 ``python -m ringviz perplexity --model smollm2 --windows 16,64,256 --sinks 0,4 --tokens 1000``
 scores the shipped text once per setting with a full forward under a band mask (reference.py).
 A query at p sees ``p-W+1 .. p`` plus, with ``S`` sinks, the first ``S`` positions (StreamingLLM's
-attention sinks, here at their absolute positions: the cache holds ``S + W`` entries). One
-setting, the first window without sinks, is also decoded token by token through the ring
+attention sinks, here at their absolute positions: the cache holds ``S + W`` entries). The
+smallest window, without sinks, is also decoded token by token through the ring
 (drive.py), to show the ring reproduces the band-mask figure.
 """
 
@@ -16,9 +16,10 @@ import time
 import torch
 
 from ringviz.checks import check_int
+from ringviz.hf.config import read_layout
 from ringviz.models.drive import RingRunner, ring_logits
 from ringviz.models.load import load_model
-from ringviz.models.reference import has_native_window, reference_logits
+from ringviz.models.reference import reference_logits
 from ringviz.models.text import eval_tokens
 
 
@@ -37,11 +38,6 @@ def perplexity(logits: torch.Tensor, ids: torch.Tensor) -> float:
     return math.exp(float(nll(logits, ids).mean()))
 
 
-def band_perplexity(model, ids: torch.Tensor, window: int | None, sinks: int = 0) -> float:
-    """Perplexity with the reference band mask (one full forward)."""
-    return perplexity(reference_logits(model, ids, window, sinks), ids)
-
-
 def ring_check(model, ids: torch.Tensor, window: int, *, progress: bool = False) -> dict:
     """Decode ``ids`` one token at a time through the ring and compare with the band mask."""
     runner = RingRunner(model, 1, window, length=len(ids))
@@ -53,7 +49,8 @@ def ring_check(model, ids: torch.Tensor, window: int, *, progress: bool = False)
             "ring_cache_bytes": runner.nbytes}
 
 
-def _check(windows: list[int], sinks: list[int], tokens: int) -> None:
+def run_perplexity(model: str, windows: list[int], sinks: list[int], tokens: int) -> dict:
+    """Perplexity table (full, each window, each window with sinks) plus one ring check."""
     if not windows or not sinks:
         raise ValueError(f"windows and sinks must be non-empty, got {windows!r}, {sinks!r}")
     for w in windows:
@@ -61,20 +58,16 @@ def _check(windows: list[int], sinks: list[int], tokens: int) -> None:
     for s in sinks:
         check_int("sinks", s, minimum=0)
     check_int("tokens", tokens, minimum=2)
-
-
-def run_perplexity(model: str, windows: list[int], sinks: list[int], tokens: int) -> dict:
-    """Perplexity table (full, each window, each window with sinks) plus one ring check."""
-    _check(windows, sinks, tokens)
     t0 = time.perf_counter()
     lm, tokenizer = load_model(model)
     ids = eval_tokens(tokenizer, tokens)
     # full attention; a native-window model gets a window covering the whole text
-    full = band_perplexity(lm, ids, tokens if has_native_window(lm) else None)
+    full_window = tokens if read_layout(lm).has_native_window else None
+    full = perplexity(reference_logits(lm, ids, full_window), ids)
     rows = []
     for w in windows:
         for s in sinks:
-            ppl = band_perplexity(lm, ids, w, s)
+            ppl = perplexity(reference_logits(lm, ids, w, s), ids)
             rows.append({"window": w, "sinks": s, "perplexity": ppl,
                          "increase_pct": 100 * (ppl / full - 1)})
     t1 = time.perf_counter()

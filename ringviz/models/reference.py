@@ -40,7 +40,7 @@ def native_window(model, window: int | None) -> Iterator[int | None]:
     HF's Gemma masks read ``config.sliding_window`` at call time, so this changes HF's own
     forward and ringviz's ring together. Models without a native window are left alone.
     """
-    if not has_native_window(model):
+    if not read_layout(model).has_native_window:
         yield window
         return
     before = model.config.sliding_window
@@ -49,11 +49,6 @@ def native_window(model, window: int | None) -> Iterator[int | None]:
         yield model.config.sliding_window
     finally:
         model.config.sliding_window = before
-
-
-def has_native_window(model) -> bool:
-    """True when the model's own layers slide (Gemma 3, Mistral), False for Llama."""
-    return read_layout(model).has_native_window
 
 
 @torch.no_grad()

@@ -72,19 +72,20 @@ def run_check(name: str, window: int = 8, sinks: int = 4, n: int = 40) -> dict:
     """
     model, tokenizer = load_model(name, dtype=torch.float64)
     ids, _ = long_tokens(tokenizer, n)
+
+    def gap(convention: str) -> float:
+        runner = RingRunner(model, 1, window, length=n, sinks=sinks,
+                            sink_convention=convention)
+        ring = ring_logits(runner, [ids], [17])[0]
+        ref = (reference_logits(model, ids, window, sinks) if convention == "absolute"
+               else streaming_llm_logits(model, ids, window, sinks))
+        return float((ring - ref).abs().max())
+
     out = {"window": window, "sinks": sinks, "tokens": n}
     with float64_rope_angles(model):
         for conv in SINK_CONVENTIONS:
-            runner = RingRunner(model, 1, window, length=n, sinks=sinks,
-                                sink_convention=conv)
-            ring = ring_logits(runner, [ids], [17])[0]
-            ref = (reference_logits(model, ids, window, sinks) if conv == "absolute"
-                   else streaming_llm_logits(model, ids, window, sinks))
-            out[f"{conv}_max_abs_logit_diff"] = float((ring - ref).abs().max())
-    runner = RingRunner(model, 1, window, length=n, sinks=sinks, sink_convention="cache")
-    ring = ring_logits(runner, [ids], [17])[0]
-    ref = streaming_llm_logits(model, ids, window, sinks)
-    out["cache_max_abs_logit_diff_hf_float32_angles"] = float((ring - ref).abs().max())
+            out[f"{conv}_max_abs_logit_diff"] = gap(conv)
+    out["cache_max_abs_logit_diff_hf_float32_angles"] = gap("cache")
     return out
 
 
