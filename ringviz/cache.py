@@ -319,12 +319,6 @@ class RingKVCache:
 
 
     # ------------------------------------------------------------------ what the rows accept
-    def check_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   positions: torch.Tensor, *, scale: float | None = None) -> None:
-        """Raise exactly what :meth:`step` would reject, writing nothing."""
-        check_scale(scale)
-        self._told(k, v, positions, check=True, contiguous=False, q=q)
-
     def _check_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> Told:
         """Raise on any malformed input, before anything is written; else what it tells
         (:meth:`_validated`: one host sync)."""
@@ -333,10 +327,11 @@ class RingKVCache:
         check_tensor("positions", positions, self.device)
         return self._validated(positions, k.shape[2])
 
-    def _check_q(self, q: torch.Tensor, T: int, q_positions: object = None) -> None:
+    def _check_q(self, q: torch.Tensor, T: int, q_positions: object = None, *,
+                 last: bool = False) -> None:
         check_query(q, T, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, dtype=self.dtype, device=self.device,
-                    q_positions=q_positions)
+                    q_positions=q_positions, last=last)
 
     def check_positions(self, positions: torch.Tensor) -> bool:
         """Raise if ``positions`` (B, T) could not be written next, writing nothing; else
@@ -351,8 +346,8 @@ class RingKVCache:
             vouched = contiguous and not torch.compiler.is_compiling()
             return self._grown(k.shape[2]) if vouched else Told()
         told = self._check_kv(k, v, positions)
-        if q is not None:
-            self._check_q(q, k.shape[2])
+        if q is not None:  # a chunk's q may hold only its last queries (:meth:`attend_chunk`)
+            self._check_q(q, k.shape[2], last=k.shape[2] > 1)
         if contiguous and not told.next:
             raise ValueError("contiguous=True, but some row's positions are not its newest + 1, "
                              "+ 2, ... (padding or a gap)")
@@ -545,7 +540,7 @@ class RingKVCache:
 
         The first half of :meth:`step` for ``T > 1`` (``step`` then writes the chunk), and on
         its own the verify pass of speculative decoding, which commits only accepted tokens.
-        Inputs as for :meth:`step`, trusted (call :meth:`check_step` first).
+        Inputs as for :meth:`step`, trusted (not checked).
         """
         positions = positions.to(torch.int64)
         keys, values, key_pos = self.keys_with_chunk(k, v, positions)

@@ -77,14 +77,19 @@ def check_kv(k: object, v: object, *, batch_size: int, num_kv_heads: int, head_d
 
 
 def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_dim: int,
-                dtype: torch.dtype, device: torch.device, q_positions: object = None) -> None:
+                dtype: torch.dtype, device: torch.device, q_positions: object = None,
+                last: bool = False) -> None:
     """``q`` must be ``(B, Hq, T, head_dim)`` on ``device`` in ``dtype``, ``Hq % Hkv == 0``;
-    ``q_positions``, when given, an integer tensor ``(B, T)``."""
+    ``q_positions``, when given, an integer tensor ``(B, T)``. ``last=True`` also takes only
+    the chunk's last ``1 .. T`` queries (Gemma 4's KV-shared layers keep no others)."""
     check_tensor("q", q, device)
     if q.dtype != dtype:
         raise TypeError(f"q has dtype {q.dtype}, the cache holds {dtype}")
-    if q.ndim != 4 or q.shape[0] != batch_size or q.shape[2] != T or q.shape[3] != head_dim:
-        raise ValueError(f"q must be (B={batch_size}, Hq, T={T}, head_dim={head_dim}), "
+    Tq = q.shape[2] if q.ndim == 4 else -1
+    if q.ndim != 4 or q.shape[0] != batch_size or q.shape[3] != head_dim \
+            or not (1 <= Tq <= T if last else Tq == T):
+        what = f"1..{T}" if last else T
+        raise ValueError(f"q must be (B={batch_size}, Hq, T={what}, head_dim={head_dim}), "
                          f"got {tuple(q.shape)}")
     if q.shape[1] == 0 or q.shape[1] % num_kv_heads:
         raise ValueError(f"Hq={q.shape[1]} query heads is not a positive multiple of "

@@ -234,14 +234,11 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         elif unmasked:
             self.ring.write(key, value, positions, check=False, contiguous=True)
             out = attend(query, self.ring.k, self.ring.v, scale=scale)
-        elif key.shape[2] > 1 and not real:  # a chunk that may hold padding: attend, then a
-            # validated write, so the ring learns what each row holds (one host read)
-            out = self.ring.attend_chunk(query, key, value, positions, scale=scale,
-                                         mask=mask[:, 0])
-            self.ring.write(key, value, positions)
-        else:
-            out = self.ring.step(query, key, value, positions, scale=scale, check=False,
-                                 contiguous=real, mask=mask[:, 0])
+        else:  # a chunk that may hold padding is validated, so the ring learns what each row
+            # holds (one host read)
+            out = self.ring.step(query, key, value, positions, scale=scale,
+                                 check=key.shape[2] > 1 and not real, contiguous=real,
+                                 mask=mask[:, 0])
         self.columns.add_(key.shape[2])
         return out
 
@@ -654,10 +651,6 @@ class RingCache(Cache):
                                            unmasked=planned and kind in plan.unmasked,
                                            causal=planned and kind in plan.causal,
                                            real=plan.real)
-
-    def plan_mask(self, layer_idx: int) -> torch.Tensor:
-        """The plan's mask for layer ``layer_idx``'s kind ``(B, 1, T, K)``."""
-        return self.plan.masks[self.layout.kinds[layer_idx]]
 
     def make_plan(self, attention_mask: torch.Tensor | None, batch: int, T: int,
                   device: torch.device) -> ForwardPlan:

@@ -86,6 +86,22 @@ def test_chunked_prefill_equals_token_by_token(device):
     assert (one - chunked).abs().max() < 1e-12
 
 
+def test_chunk_step_takes_its_last_queries_only(device):
+    """A chunk's q may hold only its last queries (Gemma 4's KV-shared layers): their outputs
+    and what the ring stores are those of the whole chunk's step."""
+    q, k, v, pos = make_inputs(3, 4, 2, 30, 8, device, pad=[(0, 0), (4, 0), (0, 6)])
+    whole = RingKVCache(3, 2, 8, 8, dtype=torch.float64, device=device)
+    last = RingKVCache(3, 2, 8, 8, dtype=torch.float64, device=device)
+    for s, n in ((0, 11), (11, 1), (12, 18)):
+        chunk = slice(s, s + n)
+        out = whole.step(q[:, :, chunk], k[:, :, chunk], v[:, :, chunk], pos[:, chunk])
+        got = last.step(q[:, :, s + n - 1:s + n], k[:, :, chunk], v[:, :, chunk], pos[:, chunk])
+        assert (got - out[:, :, -1:]).abs().max() < 1e-12
+        assert torch.equal(last.positions, whole.positions) and torch.equal(last.k, whole.k)
+    with pytest.raises(ValueError, match=r"T=1..4"):
+        last.step(q[:, :, :5], k[:, :, 30:34], v[:, :, 30:34], pos[:, 26:30] + 4)
+
+
 def test_float32_close_to_float64_reference(device):
     q, k, v, pos = make_inputs(2, 4, 4, 50, 32, device, dtype=torch.float32)
     out = run_chunks(RingKVCache(2, 4, 16, 32, device=device), q, k, v, pos, [20, 1, 1, 28])

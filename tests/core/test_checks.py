@@ -78,6 +78,9 @@ def test_check_query_heads_and_positions():
         check_query(q[:, :4], 4, **kw)
     with pytest.raises(ValueError, match=r"q must be \(B=2, Hq, T=5"):
         check_query(q, 5, **kw)
+    check_query(q, 5, **kw, last=True)  # a chunk's last 4 of 5 queries
+    with pytest.raises(ValueError, match=r"q must be \(B=2, Hq, T=1..3"):
+        check_query(q, 3, **kw, last=True)
     with pytest.raises(ValueError, match="q_positions must be integer"):
         check_query(q, 4, **kw, q_positions=torch.zeros(2, 4))
     with pytest.raises(TypeError, match="q_positions must be a torch.Tensor"):
