@@ -75,7 +75,7 @@ class RingRunner:
     @property
     def nbytes(self) -> int:
         """Bytes held by all layers' stores (k, v and positions)."""
-        return sum(c.nbytes for c in self.caches)
+        return self.cache.nbytes
 
     def _check_call(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
         """Refuse a call on a cache an earlier forward left part-way (until :meth:`reset`),

@@ -22,30 +22,6 @@ from ringviz.reference import StreamingLLMCache
 STREAMING_REF_NAME = "ringviz_streaming_llm_reference"
 
 
-class _StreamingState:
-    """Per layer, a :class:`ringviz.reference.StreamingLLMCache` with the model's own rotary."""
-
-    def __init__(self, model, sinks: int, window: int | None) -> None:
-        layout = read_layout(model)
-        self.caches = [StreamingLLMCache(sinks, w, model_sink_rope(model, KIND_TYPES[kind])
-                                         if used else _unturned)
-                       for kind, w, used in zip(layout.kinds, layout.windows(window),
-                                                rope_layers(model), strict=True)]
-        # Llama: every layer sliding, imposed; Gemma 3's full layers keep everything; a layer
-        # without RoPE (SmolLM3's every fourth) never rotates its keys
-
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scaling: float) -> torch.Tensor:
-        """One token: append, evict to ``[sinks | last W]``, re-rotate all, attend (1, Hq, 1, D)."""
-        cache = self.caches[layer]
-        keys, values = cache.update(k, v)
-        q = cache.query(q)  # the query is the cache's last entry
-        G = q.shape[1] // keys.shape[1]
-        keys, values = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
-        weights = torch.softmax((q @ keys.transpose(-1, -2)) * scaling, dim=-1)
-        return weights @ values
-
-
 def _unturned(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The RoPE of a layer that has none: keys and queries stay as they are."""
     return x
@@ -54,9 +30,14 @@ def _unturned(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def _streaming_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                          value: torch.Tensor, attention_mask, scaling: float,
                          dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    state: _StreamingState = kwargs["streaming_state"]
-    out = state.attend(module.layer_idx, query, key, value, scaling)
-    return out.transpose(1, 2), None
+    """One token: append, evict to ``[sinks | last W]``, re-rotate all, attend."""
+    cache: StreamingLLMCache = kwargs["streaming_caches"][module.layer_idx]
+    keys, values = cache.update(key, value)
+    q = cache.query(query)  # the query is the cache's last entry
+    G = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(G, 1), values.repeat_interleave(G, 1)
+    weights = torch.softmax((q @ keys.transpose(-1, -2)) * scaling, dim=-1)
+    return (weights @ values).transpose(1, 2), None
 
 
 @torch.no_grad()
@@ -74,14 +55,20 @@ def streaming_llm_logits(model, ids: torch.Tensor, window: int | None, sinks: in
     if ids.ndim != 1:
         raise ValueError(f"ids must be one sequence (L,), got shape {tuple(ids.shape)}")
     sinks = check_int("sinks", sinks, minimum=0)
-    window = next(w for w in read_layout(model).windows(window) if w is not None)
+    layout = read_layout(model)
+    # per layer, a StreamingLLMCache with the model's own rotary: Llama's every layer slides
+    # (imposed), Gemma 3's full layers keep everything, a layer without RoPE (SmolLM3's every
+    # fourth) never turns its keys
+    caches = [StreamingLLMCache(sinks, w, model_sink_rope(model, KIND_TYPES[kind])
+                                if used else _unturned)
+              for kind, w, used in zip(layout.kinds, layout.windows(window), rope_layers(model),
+                                       strict=True)]
     AttentionInterface.register(STREAMING_REF_NAME, _streaming_attention)
-    state = _StreamingState(model, sinks, window)
     zero = torch.zeros(1, 1, dtype=torch.int64, device=ids.device)
     logits = []
     with attention_implementation(model, STREAMING_REF_NAME):
         for t in range(len(ids)):
             out = model(input_ids=ids[None, t:t + 1], position_ids=zero, use_cache=False,
-                        streaming_state=state)
+                        streaming_caches=caches)
             logits.append(out.logits[0, 0])
     return torch.stack(logits)
