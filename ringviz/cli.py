@@ -64,14 +64,8 @@ def _cmd_demo(args: argparse.Namespace) -> dict:
 def _cmd_equivalence(args: argparse.Namespace) -> dict:
     from ringviz.models.equivalence import run_equivalence
 
-    return run_equivalence(
-        model=args.model,
-        window=args.window,
-        prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens,
-        batch=args.batch,
-        dtype=args.dtype,
-    )
+    return run_equivalence(model=args.model, window=args.window, prompt_tokens=args.prompt_tokens,
+                           new_tokens=args.new_tokens, batch=args.batch, dtype=args.dtype)
 
 
 def _cmd_perplexity(args: argparse.Namespace) -> dict:
@@ -137,14 +131,11 @@ def _conversation(args: argparse.Namespace):
     from ringviz.models.load import load_model
 
     model, tokenizer = load_model(args.model)
+    # the convention asked for; by default StreamingLLM's where there are sinks
+    convention = args.sink_convention or ("cache" if args.sinks else "absolute")
     return Conversation(model, tokenizer, window=args.window, sinks=args.sinks,
-                        sink_convention=_sink_convention(args),
+                        sink_convention=convention,
                         stop=None if args.command == "generate" else Conversation.STOP)
-
-
-def _sink_convention(args: argparse.Namespace) -> str:
-    """The convention asked for; by default StreamingLLM's where there are sinks."""
-    return args.sink_convention or ("cache" if args.sinks else "absolute")
 
 
 def _cmd_generate(args: argparse.Namespace) -> dict:

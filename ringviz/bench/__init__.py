@@ -22,10 +22,7 @@ chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``b
 * ``conform``: seconds of one ``ringviz.conformance.check(examples=100)`` on W = 6 caches
   (``conform.py``; target under 30 s on one thread).
 
-Modules: ``harness`` (timing, machine facts), ``cases`` (the implementations), ``memory``
-(subprocess RSS runs), ``model`` (the real model), ``generate`` (the real model inside
-``generate()``), ``sinks`` (the sink caches), ``prefill`` (peak RSS of a long prompt, run on
-its own), ``report`` (ratios and plots).
+What each module holds: ``ringviz/bench/README.md``.
 """
 
 from __future__ import annotations
@@ -39,9 +36,11 @@ import torch
 
 from ringviz.bench import mlx_peer
 from ringviz.bench.cases import DECODE_IMPLS, UPDATE_IMPLS, Shape, build_cases, make_inputs
-from ringviz.bench.conform import CONFORM_CACHES
-from ringviz.bench.harness import machine_info, measure_interleaved
+from ringviz.bench.conform import CONFORM_CACHES, conform_rows
+from ringviz.bench.generate import compiled_rows, generate_memory_rows, generate_rows
+from ringviz.bench.harness import Case, machine_info, measure_interleaved
 from ringviz.bench.memory import MEMORY_IMPLS, run_memory
+from ringviz.bench.model import model_rows
 from ringviz.bench.profile import profile_rows
 from ringviz.bench.report import figures, save_plots
 from ringviz.bench.sinks import build_sink_cases
@@ -103,30 +102,35 @@ FULL = BenchConfig()
 QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
                 model=False, generate=False, compiled=False, generate_memory=False,
                 conform_reps=1)
-PARTS = ("decode_step", "decode_profile", "sinks", "generate", "compiled", "generate_memory",
-         "conform")  # ``--only`` keeps one
+_PART_FIELDS = {"decode_step": "decode_windows", "decode_profile": "profile_windows",
+                "sinks": "sink_windows", "generate": "generate", "compiled": "compiled",
+                "generate_memory": "generate_memory", "conform": "conform_caches"}
+PARTS = tuple(_PART_FIELDS)  # ``--only`` keeps one
+_ALL_OFF = {"update_windows": (), "decode_windows": (), "memory": False, "model": False,
+            "sink_windows": (), "generate": False, "compiled": False, "generate_memory": False,
+            "profile_windows": (), "conform_caches": ()}
 
 
 def only(config: BenchConfig, part: str) -> BenchConfig:
     """``config`` with one part's benches alone (``--only sinks``, ``generate``, ...)."""
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
-    rest = replace(config, update_windows=(), decode_windows=(), memory=False, model=False,
-                   sink_windows=(), generate=False, compiled=False, generate_memory=False,
-                   profile_windows=(), conform_caches=())
-    if part == "decode_step":
-        return replace(rest, decode_windows=config.decode_windows)
-    if part == "decode_profile":
-        return replace(rest, profile_windows=config.profile_windows)
-    if part == "sinks":
-        return replace(rest, sink_windows=config.sink_windows)
-    if part == "conform":
-        return replace(rest, conform_caches=config.conform_caches)
-    return replace(rest, **{part: True})
+    field = _PART_FIELDS[part]
+    return replace(config, **{**_ALL_OFF, field: getattr(config, field)})
 
 
 def _log(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def _timed_rows(kind: str, cases: list[Case], shape: Shape, config: BenchConfig,
+                **fields) -> list[dict]:
+    """One ``bench=kind`` row per case, every case timed in the same interleaved blocks."""
+    timings = measure_interleaved(cases, reps=config.reps, warmup=config.warmup,
+                                  min_sample_s=config.min_sample_s, device=shape.device)
+    return [{"bench": kind, "impl": impl, "window": window, **fields, **shape.fields(),
+             "threads": torch.get_num_threads(), **timing.as_row()}
+            for (impl, window), timing in timings.items()]
 
 
 def _timing_rows(kind: str, impls: tuple[str, ...], windows: tuple[int, ...], shape: Shape,
@@ -138,14 +142,9 @@ def _timing_rows(kind: str, impls: tuple[str, ...], windows: tuple[int, ...], sh
     """
     t0 = time.perf_counter()
     peer = kind == "decode_step" and config.mlx_peer
-    cases = [case for window in windows
-             for case in build_cases(kind, impls, shape, window, peer=peer)]
-    timings = measure_interleaved(cases, reps=config.reps, warmup=config.warmup,
-                                  min_sample_s=config.min_sample_s, device=shape.device)
-    del cases
-    rows = [{"bench": kind, "impl": impl, "window": window, **shape.fields(),
-             "threads": torch.get_num_threads(), **timing.as_row()}
-            for (impl, window), timing in timings.items()]
+    rows = _timed_rows(kind, [case for window in windows
+                              for case in build_cases(kind, impls, shape, window, peer=peer)],
+                       shape, config)
     skipped = mlx_peer.skip_reason(shape.device.type) if peer else None
     if skipped:  # the peer's row says why it is missing
         rows += [{"bench": kind, "impl": impl, "window": window, **shape.fields(),
@@ -182,12 +181,8 @@ def _sink_rows(config: BenchConfig, device: torch.device) -> list[dict]:
     rows = []
     for kind in ("sinks_update", "sinks_decode"):
         t0 = time.perf_counter()
-        timings = measure_interleaved([c for b in built for c in b[kind]], reps=config.reps,
-                                      warmup=config.warmup, min_sample_s=config.min_sample_s,
-                                      device=device)
-        rows += [{"bench": kind, "impl": impl, "window": window, "sinks": config.sinks,
-                  **shape.fields(), "threads": torch.get_num_threads(), **timing.as_row()}
-                 for (impl, window), timing in timings.items()]
+        rows += _timed_rows(kind, [c for b in built for c in b[kind]], shape, config,
+                            sinks=config.sinks)
         _log(f"{kind}: {time.perf_counter() - t0:.1f} s")
     return rows
 
@@ -238,32 +233,22 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
         if config.memory:
             rows += _memory_rows(config, device)
         if config.model:
-            from ringviz.bench.model import model_rows
-
             rows += model_rows(prompt_tokens=config.model_prompt_tokens,
                                new_tokens=config.model_new_tokens, device=device)
         if config.generate:
-            from ringviz.bench.generate import generate_rows
-
             rows += generate_rows(prompt_tokens=config.generate_prompt_tokens,
                                   cases=config.generate_cases, reps=config.generate_reps,
                                   device=device, log=_log)
         if config.compiled:
-            from ringviz.bench.generate import compiled_rows
-
             rows += compiled_rows(window=config.compiled_window,
                                   prompt_tokens=config.compiled_prompt_tokens,
                                   new_tokens=config.compiled_new_tokens,
                                   reps=config.compiled_reps, device=device, log=_log)
         if config.generate_memory:
-            from ringviz.bench.generate import generate_memory_rows
-
             rows += generate_memory_rows(window=config.generate_memory_window,
                                          new_tokens=config.generate_memory_new_tokens,
                                          threads=config.threads, log=_log)
         if config.conform_caches:
-            from ringviz.bench.conform import conform_rows
-
             rows += conform_rows(caches=config.conform_caches, window=config.conform_window,
                                  examples=config.conform_examples, reps=config.conform_reps,
                                  log=_log)

@@ -90,13 +90,16 @@ def make_inputs(shape: Shape, window: int, seed: int = 123) -> tuple[Prefill, To
     return prefill, Token(k=randn(B, H, 1, D), v=randn(B, H, 1, D), q=randn(B, shape.q_heads, 1, D))
 
 
-def _full_ring(shape: Shape, window: int, pre: Prefill) -> tuple[RingKVCache, torch.Tensor]:
-    """A ring holding positions 0..window-1, and the (B, 1) position tensor of the last token."""
+def _full_ring(shape: Shape, window: int, pre: Prefill, first: int = 0,
+               **ring_kwargs) -> tuple[RingKVCache, torch.Tensor]:
+    """A ring (``RingKVCache(..., **ring_kwargs)``) holding ``pre``'s tokens at positions
+    ``first, first + 1, ...``, and the (B, 1) position tensor of the last of them."""
     cache = RingKVCache(shape.batch, shape.kv_heads, window, shape.head_dim,
-                        dtype=shape.dtype, device=shape.device)
-    prefill_pos = torch.arange(window, device=shape.device).expand(shape.batch, window)  # (B, W)
+                        dtype=shape.dtype, device=shape.device, **ring_kwargs)
+    n = pre.k.shape[2]
+    prefill_pos = torch.arange(first, first + n, device=shape.device).expand(shape.batch, n)
     cache.write(pre.k, pre.v, prefill_pos)
-    pos = torch.full((shape.batch, 1), window - 1, dtype=torch.int64, device=shape.device)
+    pos = torch.full((shape.batch, 1), first + n - 1, dtype=torch.int64, device=shape.device)
     return cache, pos
 
 
@@ -214,15 +217,13 @@ def capture_ring_step(ring: RingKVCache, pos: torch.Tensor, q: torch.Tensor, k: 
 def ring_graph_step(shape: Shape, window: int, pre: Prefill, tok: Token) -> Callable[[], object]:
     """The ring decode step captured once in a CUDA graph (:func:`capture_ring_step`); each
     call replays it, the next decode step of the same token."""
-    if shape.device.type != "cuda":
-        raise ValueError(f"CUDA graphs need a cuda device, got {shape.device}")
     ring, pos = _full_ring(shape, window, pre)
     graph, _ = capture_ring_step(ring, pos, tok.q, tok.k, tok.v)
     return graph.replay
 
 
-def build_cases(kind: str, impls: tuple[str, ...], shape: Shape, window: int,
-                seed: int = 123, *, peer: bool = False) -> list[Case]:
+def build_cases(kind: str, impls: tuple[str, ...], shape: Shape, window: int, *,
+                peer: bool = False) -> list[Case]:
     """Cases for ``kind`` in ("update", "decode_step"), all from one shared set of inputs;
     ``peer=True`` adds the mlx-lm row to decode_step where it can run.
 
@@ -231,7 +232,7 @@ def build_cases(kind: str, impls: tuple[str, ...], shape: Shape, window: int,
     make = {"update": update_step, "decode_step": decode_step}.get(kind)
     if make is None:
         raise ValueError(f"kind must be 'update' or 'decode_step', got {kind!r}")
-    pre, tok = make_inputs(shape, window, seed)
+    pre, tok = make_inputs(shape, window)
     cases = [Case(impl, window, make(impl, shape, window, pre, tok)) for impl in impls]
     if kind == "decode_step" and shape.device.type == "cuda":
         cases.append(Case("ring_cuda_graph", window, ring_graph_step(shape, window, pre, tok)))

@@ -26,23 +26,18 @@ Two more parts use SmolLM2 with every layer a ring of ``window`` (a cache that c
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
-from collections.abc import Callable
 from functools import partial
 
 import numpy as np
 import torch
 
+from ringviz.bench.harness import in_fresh_process, timed_call
 from ringviz.bench.memory import _reset_peak, _status_bytes
 
 GENERATE_IMPLS = ("ring", "hf_default", "hf_static")
 COMPILED_IMPLS = ("ring_eager", "ring_inductor")
 GENERATE_MEMORY_IMPLS = ("ring", "hf_default")
-_MEMORY_MAIN = ("import json, sys; from ringviz.bench.generate import memory_worker; "
-                "print(json.dumps(memory_worker(**json.loads(sys.argv[1]))))")
 
 
 def _greedy(ids: torch.Tensor, new_tokens: int) -> dict:
@@ -60,15 +55,6 @@ def _call(impl: str, model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     if impl == "hf_static":
         kwargs["cache_implementation"] = "static"
     return model.generate(ids, **kwargs)
-
-
-def _timed(call: Callable[[], torch.Tensor], device: torch.device) -> tuple[torch.Tensor, float]:
-    """``call()``'s output and wall seconds, the device synchronised on both sides."""
-    _sync(device)
-    t0 = time.perf_counter()
-    out = call()
-    _sync(device)
-    return out, time.perf_counter() - t0
 
 
 def _paired_ratios(key: str, numerator_s: list[float], denominator_s: list[float]) -> dict:
@@ -102,7 +88,7 @@ def generate_rows(*, name: str = "gemma3", prompt_tokens: int, cases: tuple[tupl
         for r in range(reps):
             order = GENERATE_IMPLS[r % 3:] + GENERATE_IMPLS[:r % 3]
             for impl in order:
-                outputs[impl], dt = _timed(partial(_call, impl, model, ids, new_tokens), device)
+                outputs[impl], dt = timed_call(partial(_call, impl, model, ids, new_tokens), device)
                 seconds[impl].append(dt)
             log(f"generate B={batch} N={new_tokens} rep {r + 1}/{reps}: " + ", ".join(
                 f"{impl} {seconds[impl][-1]:.1f} s" for impl in GENERATE_IMPLS))
@@ -183,7 +169,7 @@ def compiled_rows(*, name: str = "smollm2", window: int = 256, prompt_tokens: in
         raise ValueError(f"RingCache({name}, window={window}) is not compileable")
 
     def timed(way: str) -> tuple[torch.Tensor, float]:
-        return _timed(partial(hf.generate, model, ids, window=window, **kwargs[way]), device)
+        return timed_call(partial(hf.generate, model, ids, window=window, **kwargs[way]), device)
 
     timed("eager")  # untimed: faults the weights in
     graphs_before = _graphs_compiled()
@@ -221,24 +207,12 @@ def compiled_figures(rows: list[dict]) -> dict:
             "generate_compiled_recompiles": by["ring_inductor"]["graphs_compiled_while_timed"]}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _cache_bytes(cache) -> int:
-    """Bytes a cache holds: ``nbytes`` for a RingCache, keys + values for HF's own layers."""
-    if hasattr(cache, "nbytes"):
-        return int(cache.nbytes)
-    return sum(t.numel() * t.element_size() for layer in cache.layers
-               for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor))
-
-
 @torch.no_grad()
 def memory_worker(impl: str, name: str, window: int, prompt_tokens: int, new_tokens: int,
                   threads: int) -> dict:
     """One generate in this (fresh) process: peak RSS growth over the call, cache bytes after."""
     from ringviz import hf
+    from ringviz.models.chat import cache_bytes
     from ringviz.models.load import load_model
     from ringviz.models.text import eval_tokens
 
@@ -263,7 +237,7 @@ def memory_worker(impl: str, name: str, window: int, prompt_tokens: int, new_tok
     return {"bench": "generate_memory", "impl": impl, "model": name,
             "window": window if impl == "ring" else None, "batch": 1, "dtype": "float32",
             "device": "cpu", "threads": threads, "prompt_tokens": prompt_tokens,
-            "new_tokens": new_tokens, "seconds": seconds, "cache_bytes": _cache_bytes(cache),
+            "new_tokens": new_tokens, "seconds": seconds, "cache_bytes": cache_bytes(cache),
             "peak_rss_growth_bytes": _status_bytes("VmHWM") - baseline,
             "rss_growth_bytes": _status_bytes("VmRSS") - baseline}
 
@@ -284,12 +258,8 @@ def generate_memory_rows(*, name: str = "smollm2", window: int = 256, prompt_tok
         for n in new_tokens:
             params = {"impl": impl, "name": name, "window": window,
                       "prompt_tokens": prompt_tokens, "new_tokens": n, "threads": threads}
-            proc = subprocess.run([sys.executable, "-c", _MEMORY_MAIN, json.dumps(params)],
-                                  capture_output=True, text=True, check=False)
-            if proc.returncode != 0:
-                raise RuntimeError(f"generate_memory worker {params} failed:\n"
-                                   f"{proc.stderr[-2000:]}")
-            row = json.loads(proc.stdout.strip().splitlines()[-1])
+            row = in_fresh_process("ringviz.bench.generate:memory_worker", params,
+                                   f"generate_memory worker {params}")
             log(f"generate_memory {impl} N={n}: cache {row['cache_bytes'] / 2**20:.1f} MiB, "
                 f"peak RSS +{row['peak_rss_growth_bytes'] / 2**20:.1f} MiB "
                 f"({row['seconds']:.1f} s)")

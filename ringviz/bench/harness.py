@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import gc
+import json
 import math
 import os
 import platform
@@ -21,7 +22,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
 import torch
@@ -53,15 +55,22 @@ class Timing:
     samples_us: tuple[float, ...] = ()  # per-call time of each sample, block by block
 
     def as_row(self) -> dict:
-        return {"median_us": self.median_us, "p10_us": self.p10_us, "p90_us": self.p90_us,
-                "min_us": self.min_us, "reps": self.reps, "inner": self.inner,
-                "samples_us": list(self.samples_us)}
+        return {**asdict(self), "samples_us": list(self.samples_us)}
 
 
 def synchronize(device: torch.device) -> None:
     """Wait for queued GPU work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_call(call: Callable[[], object], device: torch.device) -> tuple[object, float]:
+    """``call()``'s result and wall seconds, the device synchronised on both sides."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = call()
+    synchronize(device)
+    return out, time.perf_counter() - t0
 
 
 def time_block(step: Callable[[], object], calls: int, device: torch.device) -> float:
@@ -116,6 +125,12 @@ def summarize(per_call_s: Sequence[float], inner: int) -> Timing:
                   samples_us=tuple(float(x) for x in us))
 
 
+def spread(us: np.ndarray) -> dict:
+    """Row fields of single-call times in microseconds: median, p10, p90 and their count."""
+    return {"median_us": float(np.median(us)), "p10_us": float(np.percentile(us, 10)),
+            "p90_us": float(np.percentile(us, 90)), "reps": len(us)}
+
+
 def measure_interleaved(cases: Sequence[Case], *, reps: int, warmup: int, min_sample_s: float,
                         device: torch.device) -> dict[tuple[str, int], Timing]:
     """Time every case in the same rotated round-robin blocks; ``{(impl, window): Timing}``."""
@@ -133,6 +148,20 @@ def measure_interleaved(cases: Sequence[Case], *, reps: int, warmup: int, min_sa
             calls = inner[case.key]
             samples[case.key].append(time_block(case.step, calls, device) / calls)
     return {key: summarize(s, inner[key]) for key, s in samples.items()}
+
+
+def in_fresh_process(function: str, params: dict, what: str,
+                     timeout_s: float | None = None) -> object:
+    """``function(**params)`` (``"module:name"``) in a fresh interpreter, its result read back as
+    JSON: nothing that ran earlier in this process shows up in what it measures."""
+    module, name = function.split(":")
+    main = (f"import json, sys; from {module} import {name}; "
+            f"print(json.dumps({name}(**json.loads(sys.argv[1]))))")
+    proc = subprocess.run([sys.executable, "-c", main, json.dumps(params)], capture_output=True,
+                          text=True, timeout=timeout_s, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def _cpu_model() -> str:
@@ -178,15 +207,11 @@ def machine_info(device: torch.device) -> dict:
         # how busy the machine was: run queue over the last 1, 5, 15 minutes (at the run's end)
         "load_avg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
-    try:
-        import transformers
-
-        info["transformers"] = transformers.__version__
-    except ImportError:
-        info["transformers"] = None
-    from ringviz.bench.mlx_peer import versions
-
-    info.update(versions())
+    for name in ("transformers", "mlx", "mlx-lm"):  # from package metadata, nothing imported
+        try:
+            info[name] = version(name)
+        except PackageNotFoundError:
+            info[name] = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),

@@ -1,7 +1,7 @@
 """Memory over a long decode: the ring stays flat, a growing cache climbs with every token.
 
-Each implementation runs in its own fresh Python process (:func:`worker` under ``python -c``), so
-nothing that ran earlier in the caller shows up in its numbers. Inside the worker, after torch is
+Each implementation runs in its own fresh Python process (:func:`worker`), so nothing that ran
+earlier in the caller shows up in its numbers. Inside the worker, after torch is
 imported and the inputs exist, the baseline RSS is read and the kernel's peak-RSS mark is reset
 to it (``/proc/self/clear_refs`` = 5; otherwise torch's import transient would hide any smaller
 peak). At checkpoints (log-spaced, plus ``window`` and the last step) the worker records the
@@ -17,18 +17,15 @@ given fewer steps than the ring (``growing_steps``).
 from __future__ import annotations
 
 import gc
-import json
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
 import numpy as np
 import torch
 
+from ringviz.bench.harness import in_fresh_process, spread, synchronize
+
 MEMORY_IMPLS = ("ring", "growing")
-_WORKER_MAIN = ("import json, sys; from ringviz.bench.memory import worker; "
-                "print(json.dumps(worker(json.loads(sys.argv[1]))))")
 RSS_METHOD = ("one subprocess per impl; rss = VmRSS, peak = VmHWM (reset to the baseline via "
               "/proc/self/clear_refs) from /proc/self/status")
 
@@ -84,7 +81,7 @@ def _make_step(impl: str, p: dict, device: torch.device, dtype: torch.dtype,
     raise ValueError(f"unknown memory impl {impl!r}; expected one of {MEMORY_IMPLS}")
 
 
-def worker(p: dict) -> list[dict]:
+def worker(**p) -> list[dict]:
     """Run ``p["steps"]`` decode writes of one impl in this process; one row per checkpoint.
 
     Only memory is read inside the loop; step-time statistics are computed after it, so their
@@ -107,16 +104,13 @@ def worker(p: dict) -> list[dict]:
         for i in range(1, p["steps"] + 1):
             t0 = time.perf_counter_ns()
             step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             durations_ns[i - 1] = time.perf_counter_ns() - t0
             if i == marks[len(rows)]:
                 rows.append(_memory_now(i, cache, baseline, device))
     prev = 0
     for row in rows:
-        us = durations_ns[prev:row["steps"]] / 1e3  # the steps since the previous checkpoint
-        row.update(median_us=float(np.median(us)), p10_us=float(np.percentile(us, 10)),
-                   p90_us=float(np.percentile(us, 90)), reps=len(us))
+        row.update(spread(durations_ns[prev:row["steps"]] / 1e3))  # since the last checkpoint
         prev = row["steps"]
     return rows
 
@@ -158,11 +152,8 @@ def run_memory(impl: str, *, steps: int, window: int, batch: int, kv_heads: int,
     params = {"impl": impl, "steps": steps, "window": window, "batch": batch,
               "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype, "device": device,
               "threads": threads}
-    proc = subprocess.run([sys.executable, "-c", _WORKER_MAIN, json.dumps(params)],
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory worker for {impl!r} failed:\n{proc.stderr[-2000:]}")
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = in_fresh_process("ringviz.bench.memory:worker", params,
+                            f"memory worker for {impl!r}", timeout_s)
     fixed = {"bench": "memory", "impl": impl, "window": window, "batch": batch,
              "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype, "device": device,
              "threads": threads, "rss_method": RSS_METHOD}

@@ -35,19 +35,6 @@ def skip_reason(device_type: str) -> str | None:
     return None
 
 
-def versions() -> dict:
-    """Installed mlx and mlx-lm versions (read from package metadata, nothing imported)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in ("mlx", "mlx-lm"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def decode_steps(pre_k, pre_v, tok_k, tok_v, tok_q, window: int
                  ) -> dict[str, Callable[[], object]]:
     """``{IMPL: step, ATTENTION_IMPL: attention}`` for a ``RotatingKVCache(max_size=window)``

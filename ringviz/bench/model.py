@@ -10,14 +10,18 @@ untimed. Both paths must produce the same tokens, or the row says they did not.
 
 from __future__ import annotations
 
-import time
+from functools import partial
 
 import numpy as np
 import torch
 
+from ringviz.bench.harness import spread, timed_call
+
 
 def _hf_decode(model, ids: torch.Tensor):
     """Hugging Face's path: a prefill creating its default cache; a step fn and a bytes fn."""
+    from ringviz.models.chat import cache_bytes
+
     out = model(input_ids=ids, use_cache=True)
     state = {"cache": out.past_key_values}
 
@@ -26,12 +30,7 @@ def _hf_decode(model, ids: torch.Tensor):
         state["cache"] = res.past_key_values
         return res.logits[:, -1]  # (B, vocab)
 
-    def nbytes() -> int:
-        """Bytes of the K/V tensors the cache's layers hold now."""
-        return sum(t.numel() * t.element_size() for layer in state["cache"].layers
-                   for t in (layer.keys, layer.values) if t is not None)
-
-    return out.logits[:, -1], step, nbytes
+    return out.logits[:, -1], step, lambda: cache_bytes(state["cache"])
 
 
 def _ring_decode(runner, ids: torch.Tensor):
@@ -47,16 +46,6 @@ def _ring_decode(runner, ids: torch.Tensor):
     return first, step, lambda: runner.nbytes
 
 
-def _timed(step, token: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    logits = step(token)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return logits, time.perf_counter() - t0
-
-
 @torch.no_grad()
 def model_rows(*, name: str = "gemma3", prompt_tokens: int, new_tokens: int,
                device: torch.device) -> list[dict]:
@@ -70,8 +59,7 @@ def model_rows(*, name: str = "gemma3", prompt_tokens: int, new_tokens: int,
                          f"{prompt_tokens}, {new_tokens}")
     model, tokenizer = load_model(name, device=device)
     ids = eval_tokens(tokenizer, prompt_tokens, device=device)[None]  # (1, P)
-    runner = RingRunner(model, batch_size=1, window=None,
-                        length=prompt_tokens + new_tokens)
+    runner = RingRunner(model, batch_size=1, window=None, length=prompt_tokens + new_tokens)
     paths = {"ring": _ring_decode(runner, ids), "hf_default": _hf_decode(model, ids)}
     tokens = {impl: [int(path[0].argmax(-1))] for impl, path in paths.items()}
     seconds: dict[str, list[float]] = {impl: [] for impl in paths}
@@ -79,23 +67,15 @@ def model_rows(*, name: str = "gemma3", prompt_tokens: int, new_tokens: int,
         order = list(paths) if i % 2 == 0 else list(paths)[::-1]  # alternate who goes first
         for impl in order:
             token = torch.tensor([tokens[impl][-1]], device=device)  # (1,)
-            logits, dt = _timed(paths[impl][1], token, device)
+            logits, dt = timed_call(partial(paths[impl][1], token), device)
             tokens[impl].append(int(logits.argmax(-1)))
             seconds[impl].append(dt)
     config = model.config
     same = tokens["ring"] == tokens["hf_default"]
-    rows = []
-    for impl, s in seconds.items():
-        us = np.asarray(s) * 1e6
-        rows.append({
-            "bench": "model", "impl": impl, "model": name,
-            "window": config.sliding_window, "batch": 1,
-            "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-            "dtype": "float32", "device": device.type, "threads": torch.get_num_threads(),
-            "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-            "median_us": float(np.median(us)), "p10_us": float(np.percentile(us, 10)),
-            "p90_us": float(np.percentile(us, 90)), "reps": len(us),
-            "tokens_per_s": float(len(s) / np.sum(s)), "tokens_match": same,
-            "cache_bytes": paths[impl][2](),
-        })
-    return rows
+    return [{"bench": "model", "impl": impl, "model": name, "window": config.sliding_window,
+             "batch": 1, "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+             "dtype": "float32", "device": device.type, "threads": torch.get_num_threads(),
+             "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+             **spread(np.asarray(s) * 1e6), "tokens_per_s": float(len(s) / np.sum(s)),
+             "tokens_match": same, "cache_bytes": paths[impl][2]()}
+            for impl, s in seconds.items()]

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import time
 
 import torch
 
-from ringviz.bench.harness import machine_info
+from ringviz.bench.harness import in_fresh_process, machine_info
 from ringviz.bench.memory import _reset_peak, _status_bytes
 
 WAYS = {  # name -> what the prompt goes through
@@ -59,11 +58,10 @@ def _worker(way: str, model_name: str, window: int, prompt_tokens: int, threads:
 def run(model_name: str = "smollm2", window: int = 256, prompt_tokens: int = 8192,
         threads: int = 1) -> list[dict]:
     """One row per way, each measured in a fresh subprocess; checks the last logits agree."""
-    ctx = multiprocessing.get_context("spawn")
-    rows = []
-    for way in WAYS:
-        with ctx.Pool(1) as pool:
-            rows.append(pool.apply(_worker, (way, model_name, window, prompt_tokens, threads)))
+    rows = [in_fresh_process("ringviz.bench.prefill:_worker",
+                             {"way": way, "model_name": model_name, "window": window,
+                              "prompt_tokens": prompt_tokens, "threads": threads},
+                             f"prefill {way}") for way in WAYS]
     ref = torch.tensor(rows[0]["last_logits"])
     for row in rows:
         row["max_abs_last_logit_diff_vs_one_call"] = float(

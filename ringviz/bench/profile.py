@@ -95,12 +95,12 @@ def profile_rows(shape: Shape, window: int, pre: Prefill, tok: Token, *, reps: i
     rows = [{**base, "impl": "attention_only", "stage": "attention", "stage_us": att.median_us,
              **att.as_row()}]
     for path, stages in STAGES.items():
-        median = {upto: t[(f"{path}:{upto}", window)].median_us for upto in stages}
         before = 0.0  # cumulative time of the stages so far
         for upto in stages:
             timing = t[(f"{path}:{upto}", window)]
             # loop and validation are timed alone; each later prefix runs all stages before it
-            stage_us = median[upto] if upto in ("loop", "validation") else median[upto] - before
+            alone = upto in ("loop", "validation")
+            stage_us = timing.median_us if alone else timing.median_us - before
             before = before + stage_us
             rows.append({**base, "impl": path, "stage": upto, "stage_us": stage_us,
                          **timing.as_row()})

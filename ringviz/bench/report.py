@@ -11,6 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ringviz.bench.conform import conform_figures
+from ringviz.bench.generate import compiled_figures, generate_figures, generate_memory_figures
+
 
 def _median(rows: Sequence[dict], bench: str, impl: str, window: int,
             stat: str = "median_us") -> float | None:
@@ -24,20 +27,24 @@ def _windows(rows: Sequence[dict], bench: str) -> list[int]:
     return sorted({r["window"] for r in rows if r["bench"] == bench})
 
 
-def _update_figures(rows: Sequence[dict]) -> dict:
+def _ratio_figures(rows: Sequence[dict], bench: str, base: str, impls: tuple[str, ...],
+                   flat: tuple[str, ...]) -> dict:
+    """Each of ``impls`` over ``base`` per W, and each of ``flat`` at its largest W over its
+    smallest (1.0: flat in W)."""
     out = {}
-    windows = _windows(rows, "update")
+    windows = _windows(rows, bench)
     for w in windows:
-        ring = _median(rows, "update", "ring", w)
-        for impl in ("naive_cat", "naive_roll", "hf_dynamic", "hf_static"):
-            other = _median(rows, "update", impl, w)
+        ring = _median(rows, bench, base, w)
+        for impl in impls:
+            other = _median(rows, bench, impl, w)
             if ring and other:
-                out[f"update_{impl}_over_ring_W{w}"] = other / ring
+                out[f"{bench}_{impl}_over_{base}_W{w}"] = other / ring
     if len(windows) > 1:
-        lo, hi = _median(rows, "update", "ring", windows[0]), _median(
-            rows, "update", "ring", windows[-1])
-        if lo and hi:
-            out[f"update_ring_W{windows[-1]}_over_W{windows[0]}"] = hi / lo
+        for impl in flat:
+            lo = _median(rows, bench, impl, windows[0])
+            hi = _median(rows, bench, impl, windows[-1])
+            if lo and hi:
+                out[f"{bench}_{impl}_W{windows[-1]}_over_W{windows[0]}"] = hi / lo
     return out
 
 
@@ -112,34 +119,17 @@ def _model_figures(rows: Sequence[dict]) -> dict:
     return {}
 
 
-def _sink_figures(rows: Sequence[dict]) -> dict:
-    """Each sink impl over ``ring_sinks`` per W, and ``ring_sinks``' largest W over its smallest."""
-    out = {}
-    for bench in ("sinks_update", "sinks_decode"):
-        windows = _windows(rows, bench)
-        for w in windows:
-            ring = _median(rows, bench, "ring_sinks", w)
-            for impl in ("ring_sinks_absolute", "streaming_llm", "sink_concat"):
-                other = _median(rows, bench, impl, w)
-                if ring and other:
-                    out[f"{bench}_{impl}_over_ring_sinks_W{w}"] = other / ring
-        if len(windows) > 1:
-            for impl in ("ring_sinks", "streaming_llm", "sink_concat"):
-                lo = _median(rows, bench, impl, windows[0])
-                hi = _median(rows, bench, impl, windows[-1])
-                if lo and hi:
-                    out[f"{bench}_{impl}_W{windows[-1]}_over_W{windows[0]}"] = hi / lo
-    return out
-
-
 def figures(rows: Sequence[dict]) -> dict:
     """The headline ratios of one run, named after what they divide."""
-    from ringviz.bench.conform import conform_figures
-    from ringviz.bench.generate import compiled_figures, generate_figures, generate_memory_figures
-
-    return {**_update_figures(rows), **_decode_figures(rows), **_memory_figures(rows),
-            **_model_figures(rows), **_sink_figures(rows), **generate_figures(rows),
-            **compiled_figures(rows), **generate_memory_figures(rows), **conform_figures(rows)}
+    sinks = ("ring_sinks_absolute", "streaming_llm", "sink_concat")
+    flat_sinks = ("ring_sinks", "streaming_llm", "sink_concat")
+    return {**_ratio_figures(rows, "update", "ring",
+                             ("naive_cat", "naive_roll", "hf_dynamic", "hf_static"), ("ring",)),
+            **_decode_figures(rows), **_memory_figures(rows), **_model_figures(rows),
+            **_ratio_figures(rows, "sinks_update", "ring_sinks", sinks, flat_sinks),
+            **_ratio_figures(rows, "sinks_decode", "ring_sinks", sinks, flat_sinks),
+            **generate_figures(rows), **compiled_figures(rows), **generate_memory_figures(rows),
+            **conform_figures(rows)}
 
 
 def _as_ms(rows: Sequence[dict], bench: str) -> list[dict]:

@@ -18,7 +18,7 @@ Impls (``impl`` field), all in StreamingLLM's convention (sinks scored from cach
   ``[sinks | last W]``, and all ``S + W`` keys re-rotated at positions ``0 .. S+W-1`` from a
   precomputed cos/sin table (the cheapest way to re-rotate), then SDPA.
 * ``sink_concat`` — a ring for the window plus a separate sink store, concatenated into
-  ``[sinks | ring]`` every step (chapter 8's loop before the package had sinks): an O(W) copy.
+  ``[sinks | ring]`` every step: an O(W) copy.
 """
 
 from __future__ import annotations
@@ -28,26 +28,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ringviz.bench.cases import Shape, make_inputs
+from ringviz.bench.cases import Prefill, Shape, Token, _full_ring, make_inputs
 from ringviz.bench.harness import Case
-from ringviz.cache import RingKVCache
 from ringviz.masks import band_mask
 from ringviz.reference import StreamingLLMCache
 from ringviz.rope import Rope, apply_rope, rope_angles, rotate
 from ringviz.sinks import rotate_sinks
 
 SINK_IMPLS = ("ring_sinks", "ring_sinks_absolute", "streaming_llm", "sink_concat")
-
-
-def _full_sink_ring(shape: Shape, window: int, sinks: int, convention: str,
-                    pre_k: torch.Tensor, pre_v: torch.Tensor):
-    """A ring with ``sinks`` sinks holding positions 0 .. S+W-1, and the last position (B, 1)."""
-    rope = apply_rope if convention == "cache" else None
-    cache = RingKVCache(shape.batch, shape.kv_heads, window, shape.head_dim, sinks=sinks,
-                        sink_rope=rope, dtype=shape.dtype, device=shape.device)
-    n = sinks + window
-    cache.write(pre_k, pre_v, torch.arange(n, device=shape.device).expand(shape.batch, n))
-    return cache, torch.full((shape.batch, 1), n - 1, dtype=torch.int64, device=shape.device)
 
 
 def _table_rope(n: int, head_dim: int, dtype: torch.dtype, device) -> Rope:
@@ -74,14 +62,14 @@ def streaming_llm_cache(pre_k: torch.Tensor, pre_v: torch.Tensor, sinks: int,
     return cache
 
 
-def _steps(impl: str, shape: Shape, window: int, sinks: int, pre_k: torch.Tensor,
-           pre_v: torch.Tensor, tok) -> tuple[Callable[[], object], Callable[[], torch.Tensor]]:
+def _steps(impl: str, shape: Shape, window: int, sinks: int, pre: Prefill,
+           tok: Token) -> tuple[Callable[[], object], Callable[[], torch.Tensor]]:
     """(update, decode) callables for ``impl``, each on its own cache."""
     gqa = shape.q_heads != shape.kv_heads
     if impl in ("ring_sinks", "ring_sinks_absolute"):
-        convention = "cache" if impl == "ring_sinks" else "absolute"
-        ring_u, pos_u = _full_sink_ring(shape, window, sinks, convention, pre_k, pre_v)
-        ring_d, pos_d = _full_sink_ring(shape, window, sinks, convention, pre_k, pre_v)
+        rope = apply_rope if impl == "ring_sinks" else None
+        ring_u, pos_u = _full_ring(shape, window, pre, sinks=sinks, sink_rope=rope)
+        ring_d, pos_d = _full_ring(shape, window, pre, sinks=sinks, sink_rope=rope)
 
         def update() -> object:
             pos_u.add_(1)
@@ -96,7 +84,7 @@ def _steps(impl: str, shape: Shape, window: int, sinks: int, pre_k: torch.Tensor
 
         return update, decode
     if impl == "streaming_llm":
-        ref_u, ref_d = (streaming_llm_cache(pre_k, pre_v, sinks, window) for _ in range(2))
+        ref_u, ref_d = (streaming_llm_cache(pre.k, pre.v, sinks, window) for _ in range(2))
 
         def decode_ref() -> torch.Tensor:
             keys, values = ref_d.update(tok.k, tok.v)
@@ -105,30 +93,23 @@ def _steps(impl: str, shape: Shape, window: int, sinks: int, pre_k: torch.Tensor
 
         return (lambda: ref_u.update(tok.k, tok.v)), decode_ref
     if impl == "sink_concat":
-        def concat_cache():
-            ring = RingKVCache(shape.batch, shape.kv_heads, window, shape.head_dim,
-                               dtype=shape.dtype, device=shape.device)
-            n = sinks + window
-            ring.write(pre_k[:, :, sinks:], pre_v[:, :, sinks:],
-                       torch.arange(sinks, n, device=shape.device).expand(shape.batch, window))
-            sink_pos = torch.arange(sinks, device=shape.device).expand(shape.batch, sinks)
-            pos = torch.full((shape.batch, 1), n - 1, dtype=torch.int64, device=shape.device)
-            return ring, pre_k[:, :, :sinks].clone(), pre_v[:, :, :sinks].clone(), sink_pos, pos
-
-        ring_u, sk_u, sv_u, _, pos_u = concat_cache()
-        ring_d, sk_d, sv_d, sp_d, pos_d = concat_cache()
+        window_pre = Prefill(pre.k[:, :, sinks:], pre.v[:, :, sinks:])
+        ring_u, pos_u = _full_ring(shape, window, window_pre, first=sinks)
+        ring_d, pos_d = _full_ring(shape, window, window_pre, first=sinks)
+        sink_k, sink_v = pre.k[:, :, :sinks].clone(), pre.v[:, :, :sinks].clone()
+        sink_pos = torch.arange(sinks, device=shape.device).expand(shape.batch, sinks)
 
         def update_cat() -> object:
             pos_u.add_(1)
             ring_u.write(tok.k, tok.v, pos_u)
-            return torch.cat([sk_u, ring_u.k], dim=2), torch.cat([sv_u, ring_u.v], dim=2)
+            return torch.cat([sink_k, ring_u.k], dim=2), torch.cat([sink_v, ring_u.v], dim=2)
 
         def decode_cat() -> torch.Tensor:
             pos_d.add_(1)
             ring_d.write(tok.k, tok.v, pos_d)
-            keys = torch.cat([sk_d, ring_d.k], dim=2)  # (B, Hkv, S + W, D): copies all W
-            values = torch.cat([sv_d, ring_d.v], dim=2)
-            mask = band_mask(pos_d, torch.cat([sp_d, ring_d.positions], dim=1), window, sinks)
+            keys = torch.cat([sink_k, ring_d.k], dim=2)  # (B, Hkv, S + W, D): copies all W
+            values = torch.cat([sink_v, ring_d.v], dim=2)
+            mask = band_mask(pos_d, torch.cat([sink_pos, ring_d.positions], dim=1), window, sinks)
             return F.scaled_dot_product_attention(tok.q, keys, values, attn_mask=mask[:, None],
                                                   enable_gqa=gqa)
 
@@ -136,13 +117,12 @@ def _steps(impl: str, shape: Shape, window: int, sinks: int, pre_k: torch.Tensor
     raise ValueError(f"unknown sinks impl {impl!r}; expected one of {SINK_IMPLS}")
 
 
-def build_sink_cases(shape: Shape, window: int, sinks: int,
-                     seed: int = 123) -> dict[str, list[Case]]:
+def build_sink_cases(shape: Shape, window: int, sinks: int) -> dict[str, list[Case]]:
     """``{"sinks_update": [...], "sinks_decode": [...]}``: every impl from one set of inputs."""
-    pre, tok = make_inputs(shape, sinks + window, seed)  # S + W prefill tokens
+    pre, tok = make_inputs(shape, sinks + window)  # S + W prefill tokens
     cases: dict[str, list[Case]] = {"sinks_update": [], "sinks_decode": []}
     for impl in SINK_IMPLS:
-        update, decode = _steps(impl, shape, window, sinks, pre.k, pre.v, tok)
+        update, decode = _steps(impl, shape, window, sinks, pre, tok)
         cases["sinks_update"].append(Case(impl, window, update))
         cases["sinks_decode"].append(Case(impl, window, decode))
     return cases
