@@ -76,7 +76,6 @@ def hf_cache_bytes(model, tokens: int) -> int:
     Its full layers keep every token; its sliding layers keep the last ``sliding_window - 1``
     (``DynamicSlidingWindowLayer``: the newest token is attended to, then dropped with the
     oldest), so on Gemma 3 it already saves most of what the ring does.
-    ``tests/models/test_chat.py`` checks it against a real ``DynamicCache``'s tensors.
     """
     layout = hf.read_layout(model.config)
     itemsize = next(model.parameters()).element_size()
@@ -104,7 +103,8 @@ class Conversation:
     """A conversation with ``model`` through one RingCache (``window``, ``sinks`` as in it).
 
     ``stop``: the text that ends a reply (default :attr:`STOP`, the next user's tag; None: only
-    EOS and ``max_new_tokens``).
+    EOS and ``max_new_tokens``). ``baseline=True``: the same conversation through Hugging
+    Face's own default cache.
     """
 
     STOP = f"\n{USER}"
@@ -112,18 +112,12 @@ class Conversation:
     def __init__(self, model, tokenizer, *, window: int | None = None, sinks: int = 0,
                  sink_convention: str = "absolute", stop: str | None = STOP,
                  baseline: bool = False) -> None:
-        self.model, self.tokenizer, self.stop = model, tokenizer, stop
-        # baseline=True: the same conversation through Hugging Face's own default cache
-        self.baseline = baseline
+        self.model, self.tokenizer, self.stop, self.baseline = model, tokenizer, stop, baseline
         self.cache = (DynamicCache(config=model.config) if baseline
                       else hf.RingCache(model, window=window, sinks=sinks,
                                         sink_convention=sink_convention))
         self.ids = torch.zeros(1, 0, dtype=torch.int64, device=model.device)
         self.at_user = False  # the last reply ended in the stop string (the next user's tag)
-
-    def encode(self, text: str) -> torch.Tensor:
-        ids = self.tokenizer(text, add_special_tokens=self.ids.shape[1] == 0)["input_ids"]
-        return torch.tensor([ids], dtype=torch.int64, device=self.model.device)
 
     def turn(self, text: str, *, max_new_tokens: int = 128, write: Callable[[str], None]
              = lambda _: None, framed: bool = True, **kwargs) -> dict:
@@ -131,8 +125,8 @@ class Conversation:
 
         Returns the reply, its token count, tokens/s (prefill and decode together), and the
         cache's bytes against what Hugging Face's default cache holds for the conversation so
-        far (:func:`hf_cache_bytes`). ``interrupted`` is
-        True when Ctrl-C stopped the turn: it is dropped and the conversation is as before it.
+        far (:func:`hf_cache_bytes`). ``interrupted`` is True when Ctrl-C stopped the turn: it
+        is dropped and the conversation is as before it.
         """
         if not isinstance(text, str) or not text.strip():
             raise ValueError("a turn needs some text")
@@ -141,7 +135,8 @@ class Conversation:
             prompt = prompt[len(USER):]
         elif framed and self.ids.shape[1]:
             prompt = "\n" + prompt
-        ids = torch.cat([self.ids, self.encode(prompt)], dim=1)
+        added = self.tokenizer(prompt, add_special_tokens=self.ids.shape[1] == 0)["input_ids"]
+        ids = torch.cat([self.ids, self.ids.new_tensor([added])], dim=1)
         saved = copy.deepcopy(self.cache)
         out = TextOut(self.tokenizer, write, self.stop)
         stop = {"stop_strings": [self.stop], "tokenizer": self.tokenizer} if self.stop else {}

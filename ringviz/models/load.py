@@ -144,10 +144,8 @@ def _require_transformers():
 def gguf_progress_follows_transformers(transformers) -> Iterator[None]:
     """Make transformers' GGUF de-quantisation honour its own progress-bar switch.
 
-    Its loop calls ``tqdm.auto`` directly, ignoring ``disable_progress_bar()``: a notebook that
-    turned bars off still got a widget, which in the book also became a second copy of the
-    cell's labelled figure. For the block, that module uses transformers' own ``tqdm``, the one
-    that honours the switch (a terminal keeps its bar on stderr).
+    Its loop calls ``tqdm.auto`` directly, ignoring ``disable_progress_bar()`` (a notebook with
+    bars off would still draw a widget); for the block it uses transformers' own ``tqdm``.
     """
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
@@ -202,9 +200,9 @@ def norms_in_model_dtype(model) -> int:
     """Make the RMSNorms of a float64 model compute in float64; returns how many changed.
 
     transformers casts RMSNorm inputs to float32 even in a float64 model. Besides the lost
-    precision, the float32 mean then depends on the batch shape (reduction order): in SmolLM2 a
-    one-token decode step and a 70-token forward differed by 5e-6 in the logits at the same
-    position, which hides whether a float64 ring decode is exact.
+    precision, the float32 mean then depends on the batch shape (reduction order), so a decode
+    step and a whole-sequence forward differ at the same position, which hides whether a float64
+    ring decode is exact.
     """
     patches = {"LlamaRMSNorm": _llama_norm_float64, "Gemma3RMSNorm": _gemma3_norm_float64}
     changed = 0

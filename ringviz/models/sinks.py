@@ -4,9 +4,7 @@
 cached *before* RoPE, the cache cut to ``[sinks | last W]``, and every key and the query
 re-rotated at their positions inside the cache on every step
 (:class:`ringviz.reference.StreamingLLMCache`, given the model's own rotary). It shares nothing
-with the ring but Hugging Face's modules. The model's own RoPE as a ``sink_rope``
-(``model_sink_rope``) and float64 angles for exactness checks (``float64_rope_angles``) live
-in :mod:`ringviz.hf.rotary`.
+with the ring but Hugging Face's modules.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Greedy speculative decoding on a real model whose layers keep their KV in draft rings.
-
-Every sliding layer of the target model gets one :mod:`ringviz.book.speculative` engine instead of a
-plain ``RingKVCache`` (the seam, ``ring=``). The draft is prompt lookup (no model, no cache of
-its own): the ``k`` tokens that followed the latest earlier occurrence of the text's last
-``ngram`` tokens. One cycle::
+"""Greedy speculative decoding on a real model whose layers keep their KV in draft rings
+(:mod:`ringviz.book.speculative` engines), with a prompt-lookup draft. One cycle::
 
     chunk = [target's last token, k draft tokens] -> verify (one forward, k + 1 positions)
     -> keep the drafts the target's argmax agrees with -> commit them to every layer's ring
