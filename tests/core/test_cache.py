@@ -99,7 +99,8 @@ def test_chunk_step_takes_its_last_queries_only(device):
         assert (got - out[:, :, -1:]).abs().max() < 1e-12
         assert torch.equal(last.positions, whole.positions) and torch.equal(last.k, whole.k)
     with pytest.raises(ValueError, match=r"T=1..4"):
-        last.step(q[:, :, :5], k[:, :, 30:34], v[:, :, 30:34], pos[:, 26:30] + 4)
+        last.step(q[:, :, :5], k[:, :, :4], v[:, :, :4], last.lengths[:, None]
+                  + torch.arange(4, device=device))
 
 
 def test_float32_close_to_float64_reference(device):
