@@ -17,8 +17,8 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.patches import Patch, Rectangle
 
-from ringviz.book.draw import _axes
-from ringviz.book.style import EDGE_COLOR, EVICT_COLOR, OKABE_ITO, STATE_COLORS
+from ringviz.book.draw import _axes, _bare
+from ringviz.book.style import BOOK_WIDTH, EDGE_COLOR, EVICT_COLOR, OKABE_ITO, STATE_COLORS
 
 MISSED_COLOR, EXTRA_COLOR = EVICT_COLOR, OKABE_ITO["yellow"]
 HOT_COLOR = OKABE_ITO["blue"]
@@ -68,10 +68,7 @@ def draw_probe(slot_positions: Sequence[int], weights: Sequence[float],
     ax.text(0, 1.15, "value: one-hot at the token's id", ha="left", va="bottom", fontsize=9)
     ax.text(ids / 2, y - 0.95, "token id = position", ha="center", va="top", fontsize=8,
             color=EDGE_COLOR)
-    ax.set_xlim(-4.6, ids + 0.2)
-    ax.set_ylim(y - 1.5, 2.0)
-    ax.set_aspect("equal")
-    ax.axis("off")
+    _bare(ax, (-4.6, ids + 0.2), (y - 1.5, 2.0))
     ax.set_title(title or f"zero query at position {query}", fontsize=10, loc="left")
     return ax
 
@@ -101,17 +98,19 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
     n = len(expected)
     size = max(n, size or n)
     ax = _axes(ax, (1.6 + 0.32 * size, 1.4 + 0.32 * size))
+
+    def cell(x: float, q: int, face: str, hatch: str | None = None) -> None:
+        ax.add_patch(Rectangle((x, -q - 1), 1, 1, facecolor=face, hatch=hatch,
+                               edgecolor="white", linewidth=0.6))
+
     for q in range(n):
         for k in range(n):
             e, s = expected[q, k], seen[q, k]
             if e or s:
-                face, hatch = ((STATE_COLORS["visible"], None) if e and s else
-                               (MISSED_COLOR, "xxx") if e else (EXTRA_COLOR, "///"))
-                ax.add_patch(Rectangle((k, -q - 1), 1, 1, facecolor=face, hatch=hatch,
-                                       edgecolor="white", linewidth=0.6))
-            elif q == k or k < q:
-                ax.add_patch(Rectangle((k, -q - 1), 1, 1, facecolor="#E0E0E0",
-                                       edgecolor="white", linewidth=0.6))
+                cell(k, q, *((STATE_COLORS["visible"], None) if e and s else
+                             (MISSED_COLOR, "xxx") if e else (EXTRA_COLOR, "///")))
+            elif k <= q:
+                cell(k, q, "#E0E0E0")
     extras = [(name, counts) for name, counts in (("none", failure.seen_blank),
                                                   ("other", failure.seen_other_rows))
               if counts and any(counts)]
@@ -120,8 +119,7 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
         ax.text(x + 0.5, -n - 0.25, name, ha="center", va="top", fontsize=8)
         for q, count in enumerate(counts):
             if count:
-                ax.add_patch(Rectangle((x, -q - 1), 1, 1, facecolor=EXTRA_COLOR, hatch="///",
-                                       edgecolor="white", linewidth=0.6))
+                cell(x, q, EXTRA_COLOR, "///")
                 ax.text(x + 0.5, -q - 0.5, str(count), ha="center", va="center", fontsize=8)
     q = failure.position
     ax.add_patch(Rectangle((0, -q - 1), n + 1.1 * len(extras), 1, fill=False,
@@ -138,8 +136,7 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
     ax.set_xlim(0, size + 2.4)
     ax.set_ylim(-n - 0.1, 0.1)
     ax.set_aspect("equal")
-    for side in ("top", "right", "bottom", "left"):
-        ax.spines[side].set_visible(False)
+    ax.spines[:].set_visible(False)
     label = f"chunks {failure.schedule}"
     if any(failure.offsets):
         label += f"\nrow {failure.row} starts at column {offset}"
@@ -147,8 +144,21 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
     return ax
 
 
-def failure_legend(fig) -> None:
-    """One legend for a figure of :func:`draw_failure` panels."""
+def failure_grid(failures: Sequence[tuple[str, object]], *, columns: int = 3):
+    """Small multiples: one :func:`draw_failure` panel per ``(name, failure)``, one legend;
+    returns the figure."""
+    rows = -(-len(failures) // columns)
+    size = max(len(f.expected_mask) for _, f in failures)
+    fig, axes = plt.subplots(rows, columns, figsize=(BOOK_WIDTH, 2.35 * rows + 0.8),
+                             squeeze=False)
+    for ax, (name, failure) in zip(axes.flat, failures, strict=False):
+        where = f"chunks {failure.schedule}"
+        if any(failure.offsets):
+            where += f"\nrows start {failure.offsets}"
+        draw_failure(failure, title=f"{name}\n{where}", size=size, ax=ax)
+    for ax in axes.flat[len(failures):]:
+        ax.axis("off")
+    fig.tight_layout(rect=(0, 0.1, 1, 1), w_pad=0.3, h_pad=0.6)
     handles = [Patch(facecolor=STATE_COLORS["visible"], label="seen, in the window"),
                Patch(facecolor=MISSED_COLOR, hatch="xx", edgecolor="white",
                      label="in the window, not seen"),
@@ -160,21 +170,4 @@ def failure_legend(fig) -> None:
                Patch(facecolor="none", edgecolor="black", label="the failing query")]
     fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=9,
                bbox_to_anchor=(0.5, -0.01))
-
-
-def failure_grid(failures: Sequence[tuple[str, object]], *, columns: int = 3):
-    """Small multiples: one :func:`draw_failure` panel per ``(name, failure)``; returns the
-    figure."""
-    rows = -(-len(failures) // columns)
-    size = max(len(f.expected_mask) for _, f in failures)
-    fig, axes = plt.subplots(rows, columns, figsize=(7.0, 2.35 * rows + 0.8), squeeze=False)
-    for ax, (name, failure) in zip(axes.flat, failures, strict=False):
-        where = f"chunks {failure.schedule}"
-        if any(failure.offsets):
-            where += f"\nrows start {failure.offsets}"
-        draw_failure(failure, title=f"{name}\n{where}", size=size, ax=ax)
-    for ax in axes.flat[len(failures):]:
-        ax.axis("off")
-    fig.tight_layout(rect=(0, 0.1, 1, 1), w_pad=0.3, h_pad=0.6)
-    failure_legend(fig)
     return fig

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
-from matplotlib.patches import Patch, Rectangle
 
-from ringviz.book.style import BOOK_WIDTH, EDGE_COLOR, EVICT_COLOR, STATE_COLORS, WRITE_COLOR
+from ringviz.book.draw import _axes, _bare, slot_box, slot_legend
+from ringviz.book.style import BOOK_WIDTH, EDGE_COLOR, EVICT_COLOR, STATE_COLORS
 from ringviz.checks import check_int
 from ringviz.masks import visible
 
@@ -52,7 +51,7 @@ def draw_draft_rows(rows: Sequence[tuple[str, Sequence[int]]], *, window: int, q
         raise ValueError(f"need at least one row and one note per row, got {len(rows)} rows "
                          f"and {len(notes)} notes")
     width = max(len(pos) for _, pos in rows)
-    ax = ax if ax is not None else plt.subplots(figsize=(BOOK_WIDTH, 0.95 * len(rows) + 0.9))[1]
+    ax = _axes(ax, (BOOK_WIDTH, 0.95 * len(rows) + 0.9))
     above: Sequence[int] = ()
     for r, (label, positions) in enumerate(rows):
         y = -r * PITCH
@@ -62,13 +61,8 @@ def draw_draft_rows(rows: Sequence[tuple[str, Sequence[int]]], *, window: int, q
                     color=EDGE_COLOR)
         for s, pos in enumerate(positions):
             changed = r > 0 and (s >= len(above) or above[s] != pos) and pos >= 0
-            ax.add_patch(Rectangle((s + 0.04, y), 0.92, 0.8,
-                                   facecolor=FILLS[slot_role(pos, query, window)],
-                                   edgecolor=WRITE_COLOR if changed else EDGE_COLOR,
-                                   linewidth=3.0 if changed else 1.0,
-                                   hatch="//" if pos < 0 else None))
-            ax.text(s + 0.5, y + 0.4, "" if pos < 0 else str(pos), ha="center", va="center",
-                    fontsize=11, fontweight="bold" if changed else "normal")
+            slot_box(ax, s, y, pos, FILLS[slot_role(pos, query, window)], written=changed,
+                     fontsize=11)
             if r == 0:
                 ax.text(s + 0.5, y + 0.9, str(s), ha="center", va="bottom", fontsize=10,
                         color=EDGE_COLOR)
@@ -76,14 +70,7 @@ def draw_draft_rows(rows: Sequence[tuple[str, Sequence[int]]], *, window: int, q
             ax.text(0.04, y - 0.12, notes[r], ha="left", va="top", fontsize=10.5,
                     color=EVICT_COLOR)
         above = positions
-    ax.set_xlim(-4.2, width + 0.2)
-    ax.set_ylim(-(len(rows) - 1) * PITCH - 0.75, 1.3)
-    ax.axis("off")
-    handles = [Patch(facecolor=c, edgecolor=EDGE_COLOR, hatch="//" if n == "empty" else None,
-                     label=f"{n} by query {query}" if n == "needed" else n)
-               for n, c in FILLS.items()]
-    handles.append(Patch(facecolor="white", edgecolor=WRITE_COLOR, linewidth=3,
-                         label="just written"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=3,
-              fontsize=10, handlelength=1.2, columnspacing=1.0)
+    _bare(ax, (-4.2, width + 0.2), (-(len(rows) - 1) * PITCH - 0.75, 1.3), equal=False)
+    fills = {f"{n} by query {query}" if n == "needed" else n: c for n, c in FILLS.items()}
+    slot_legend(ax, fills, written="just written", y=0.0, ncol=3, fontsize=10)
     return ax

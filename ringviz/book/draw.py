@@ -11,6 +11,7 @@ and orange triangles are the start and write pointers; vermillion text names evi
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Callable, Mapping, Sequence
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -47,6 +48,52 @@ def _axes(ax: Axes | None, size: tuple[float, float]) -> Axes:
     return plt.subplots(figsize=size)[1] if ax is None else ax
 
 
+def _bare(ax: Axes, xlim: tuple[float, float], ylim: tuple[float, float], *,
+          equal: bool = True) -> None:
+    """Fix a drawing's extent and hide the axis; ``equal``: square cells."""
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    if equal:
+        ax.set_aspect("equal")
+    ax.axis("off")
+
+
+def slot_box(ax: Axes, x: float, y: float, pos: int, color: str | None = None, *,
+             written: bool = False, linewidth: float = 1.0, fontsize: float | None = None) -> None:
+    """One slot at (x, y), its position inside; hatched and blank when empty (``pos < 0``).
+
+    ``color`` defaults to visible, or empty when ``pos < 0``; ``written`` gives it an orange
+    edge and a bold number (a slot written in this step).
+    """
+    if color is None:
+        color = STATE_COLORS["empty" if pos < 0 else "visible"]
+    edge, lw = (WRITE_COLOR, 3.0) if written else (EDGE_COLOR, linewidth)
+    ax.add_patch(Rectangle((x + 0.04, y), 0.92, 0.8, facecolor=color, edgecolor=edge,
+                           linewidth=lw, hatch="//" if pos < 0 else None))
+    ax.text(x + 0.5, y + 0.4, "" if pos < 0 else str(pos), ha="center", va="center",
+            fontsize=fontsize, fontweight="bold" if written else "normal")
+
+
+def slot_legend(ax: Axes, fills: Mapping[str, str], *, written: str = "written",
+                pointers: bool = False, y: float = -0.02, ncol: int | None = None,
+                fontsize: float = 8) -> None:
+    """A legend under the slots: each fill (the empty one hatched), the written edge, and the
+    write and start pointers when ``pointers``."""
+    handles = [Patch(facecolor=color, edgecolor=EDGE_COLOR, label=label,
+                     hatch="//" if color == STATE_COLORS["empty"] else None)
+               for label, color in fills.items()]
+    handles.append(Patch(facecolor="white", edgecolor=WRITE_COLOR, linewidth=3, label=written))
+    if pointers:
+        handles += [plt.Line2D([], [], color=c, marker="^", linestyle="", label=name)
+                    for c, name in ((WRITE_COLOR, "write pointer"), (START_COLOR, "start"))]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, y),
+              ncol=ncol or len(handles), fontsize=fontsize, handlelength=1.2, columnspacing=1.0)
+
+
+def _fills(states: Sequence[str]) -> dict[str, str]:
+    return {s: STATE_COLORS[s] for s in states}
+
+
 def _states(f: Frame, row: int) -> list[str]:
     """Slot colours: the frame's view for a ring; a shift window has no query view (all held)."""
     if f.slot_state:
@@ -67,11 +114,7 @@ def _slots(ax: Axes, f: Frame, row: int, y: float, pointers: bool, index: bool) 
     """Draw one row of slots at height ``y`` (slot s spans x in [s, s+1])."""
     written = set(f.written[row])
     for s, (pos, state) in enumerate(zip(f.positions[row], _states(f, row), strict=True)):
-        edge, lw = (WRITE_COLOR, 3.0) if s in written else (EDGE_COLOR, 1.0)
-        ax.add_patch(Rectangle((s + 0.04, y), 0.92, 0.8, facecolor=STATE_COLORS[state],
-                               edgecolor=edge, linewidth=lw, hatch="//" if pos < 0 else None))
-        ax.text(s + 0.5, y + 0.4, "" if pos < 0 else str(pos), ha="center", va="center",
-                fontsize=10, fontweight="bold" if s in written else "normal")
+        slot_box(ax, s, y, pos, STATE_COLORS[state], written=s in written, fontsize=10)
         if index:
             ax.text(s + 0.5, y + 0.88, f"slot {s}" if s == 0 else str(s), ha="center",
                     va="bottom", fontsize=7, color=EDGE_COLOR)
@@ -84,22 +127,20 @@ def _slots(ax: Axes, f: Frame, row: int, y: float, pointers: bool, index: bool) 
         ax.plot(f.start[row] + 0.32, y - 0.2, marker="^", color=START_COLOR, markersize=8)
 
 
-def _legend(ax: Axes, states: tuple[str, ...], pointers: bool) -> None:
-    handles = [Patch(facecolor=STATE_COLORS[s], edgecolor=EDGE_COLOR, label=s,
-                     hatch="//" if s == "empty" else None) for s in states]
-    handles.append(Patch(facecolor="white", edgecolor=WRITE_COLOR, linewidth=3, label="written"))
-    if pointers:
-        handles += [plt.Line2D([], [], color=c, marker="^", linestyle="", label=name)
-                    for c, name in ((WRITE_COLOR, "write pointer"), (START_COLOR, "start"))]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02),
-              ncol=len(handles), fontsize=8, handlelength=1.2, columnspacing=1.0)
-
-
 def _finish_rows(ax: Axes, window: int, n_rows: int, top: float = 1.15) -> None:
     """Frame ``n_rows`` stacked rows (row 0 on top) with room for labels and pointers."""
-    ax.set_xlim(-0.9, window + 2.8)
-    ax.set_ylim(-0.45, (n_rows - 1) * ROW_PITCH + top)
-    ax.axis("off")
+    _bare(ax, (-0.9, window + 2.8), (-0.45, (n_rows - 1) * ROW_PITCH + top), equal=False)
+
+
+def _stack(ax: Axes, trace: Trace, f: Frame, label: Callable[[int], str] | None) -> None:
+    """Every row of frame ``f``, row 0 on top and its slot indices above it; ``label(row)``
+    written left of each row."""
+    for row in range(trace.rows):
+        y = (trace.rows - 1 - row) * ROW_PITCH
+        _slots(ax, f, row, y, pointers=trace.layout == "ring", index=row == 0)
+        if label is not None:
+            ax.text(-0.2, y + 0.4, label(row), ha="right", va="center", fontsize=8)
+    _finish_rows(ax, trace.window, trace.rows)
 
 
 def draw_ring_row(trace: Trace, frame: int = -1, *, row: int = 0,
@@ -116,7 +157,7 @@ def draw_ring_row(trace: Trace, frame: int = -1, *, row: int = 0,
                 "to slot 0", ha="center", va="bottom", fontsize=8, color=EDGE_COLOR)
     _finish_rows(ax, trace.window, 1, top=1.8 if trace.layout == "ring" else 1.15)
     ax.set_title(_wrap(f.caption), loc="left", fontsize=9)
-    _legend(ax, ("visible", "empty"), pointers=trace.layout == "ring")
+    slot_legend(ax, _fills(("visible", "empty")), pointers=trace.layout == "ring")
     return ax
 
 
@@ -149,10 +190,7 @@ def draw_ring_circle(trace: Trace, frame: int = -1, *, row: int = 0,
     if f.evicted[row]:
         ax.text(0, -1.3, "evicted " + ", ".join(map(str, f.evicted[row])), ha="center",
                 color=EVICT_COLOR, fontsize=9)
-    ax.set_xlim(-1.35, 1.35)
-    ax.set_ylim(-1.45, 1.3)
-    ax.set_aspect("equal")
-    ax.axis("off")
+    _bare(ax, (-1.35, 1.35), (-1.45, 1.3))
     ax.set_title(f"ring, W={W}: slot = pos % {W}", fontsize=10)
     return ax
 
@@ -161,14 +199,10 @@ def draw_batch(trace: Trace, frame: int = -1, *, ax: Axes | None = None) -> Axes
     """Every batch row's ring, one above the other (row 0 on top), with its count (ch. 7)."""
     f = _frame(trace, frame)
     ax = _axes(ax, (BOOK_WIDTH, 1.0 + 0.75 * trace.rows))
-    for row in range(trace.rows):
-        y = (trace.rows - 1 - row) * ROW_PITCH
-        _slots(ax, f, row, y, pointers=trace.layout == "ring", index=row == 0)
-        seen = sum(s == "visible" for s in _states(f, row))
-        ax.text(-0.2, y + 0.4, f"row {row}\n{seen} visible", ha="right", va="center", fontsize=8)
-    _finish_rows(ax, trace.window, trace.rows)
+    _stack(ax, trace, f, lambda row: f"row {row}\n"
+           f"{sum(s == 'visible' for s in _states(f, row))} visible")
     ax.set_title(_wrap(f.caption, 110), loc="left", fontsize=8)
-    _legend(ax, ("visible", "empty"), pointers=trace.layout == "ring")
+    slot_legend(ax, _fills(("visible", "empty")), pointers=trace.layout == "ring")
     return ax
 
 
@@ -187,24 +221,23 @@ def draw_ring_and_shift(ring: Trace, shift: Trace, frame: int = -1) -> Figure:
     return fig
 
 
-def _has_mask(trace: Trace) -> bool:
-    """Single-row ring traces record each step's mask (``band``); strips then draw it."""
-    return trace.layout == "ring" and trace.rows == 1 and any(f.band and f.band[0]
-                                                              for f in trace.frames)
+def _key_states(f: Frame) -> list[list[str]]:
+    """Each (query, key) cell of a one-row step's mask: visible (as recorded), future or stale."""
+    return [["visible" if b else "future" if k > q else "stale"
+             for k, b in zip(f.keys[0], band, strict=True)]
+            for q, band in zip(f.queries[0], f.band[0], strict=True)]
 
 
-def _mask(ax: Axes, f: Frame, row: int = 0, *, fontsize: float = 9,
-          groups: bool = True) -> None:
-    """The step's queries (rows, top down) x keys (columns): visible / stale / future.
+def _mask(ax: Axes, f: Frame, *, fontsize: float = 9) -> None:
+    """A one-row step's queries (rows, top down) x keys (columns): visible / stale / future.
 
     Keys are in the order attention reads them: the ring's slots, then the chunk (bracketed
     apart); chunk tokens the ring did not keep are struck through in vermillion.
     """
-    queries, keys = f.queries[row], f.keys[row]
-    kept, chunk = set(f.positions[row]), set(queries)
-    for i, q in enumerate(queries):
-        for j, k in enumerate(keys):
-            state = "visible" if f.band[row][i][j] else "future" if k > q else "stale"
+    queries, keys = f.queries[0], f.keys[0]
+    kept, chunk = set(f.positions[0]), set(queries)
+    for i, (q, states) in enumerate(zip(queries, _key_states(f), strict=True)):
+        for j, state in enumerate(states):
             ax.add_patch(Rectangle((j + 0.04, -i - 0.96), 0.92, 0.92,
                                    facecolor=STATE_COLORS[state], edgecolor="none"))
         ax.text(-0.15, -i - 0.5, str(q), ha="right", va="center", fontsize=fontsize)
@@ -216,7 +249,7 @@ def _mask(ax: Axes, f: Frame, row: int = 0, *, fontsize: float = 9,
             ax.plot([j + 0.15, j + 0.85], [0.45, 0.45], color=EVICT_COLOR, linewidth=1.2,
                     linestyle="-", marker="")
     n_ring = sum(k not in chunk for k in keys)
-    if groups and len(queries) > 1:
+    if len(queries) > 1:
         for a, b, name in ((0, n_ring, "slots"), (n_ring, len(keys), "chunk")):
             if b > a:
                 # explicit style: the book's line cycle would add markers and dashes
@@ -224,10 +257,7 @@ def _mask(ax: Axes, f: Frame, row: int = 0, *, fontsize: float = 9,
                         color=EDGE_COLOR, linewidth=1, linestyle="-", marker="")
                 ax.text((a + b) / 2, 1.3, name, ha="center", va="bottom", fontsize=fontsize,
                         color=EDGE_COLOR)
-    ax.set_xlim(-1.4, max(len(keys), 4) + 0.2)
-    ax.set_ylim(-max(len(queries), 1) - 0.2, 2.2)
-    ax.set_aspect("equal")
-    ax.axis("off")
+    _bare(ax, (-1.4, max(len(keys), 4) + 0.2), (-max(len(queries), 1) - 0.2, 2.2))
 
 
 def draw_chunk_keys(trace: Trace, frame: int, *, ax: Axes | None = None) -> Axes:
@@ -247,9 +277,7 @@ def draw_chunk_keys(trace: Trace, frame: int, *, ax: Axes | None = None) -> Axes
             fontsize=10)
     ax.set_title(_wrap(f"step {trace.frames.index(f)}, W={trace.window}: {f.caption}", 95),
                  loc="left", fontsize=9)
-    present = {("visible" if b else "future" if k > q else "stale")
-               for q, row in zip(f.queries[0], f.band[0], strict=True)
-               for k, b in zip(f.keys[0], row, strict=True)}
+    present = {state for states in _key_states(f) for state in states}
     handles = [Patch(facecolor=STATE_COLORS[s], label=s) for s in ("visible", "stale", "future")
                if s in present]
     handles.append(plt.Line2D([], [], color=EVICT_COLOR, label="struck key: never stored"))
@@ -281,22 +309,14 @@ def draw_padded_batch(positions: np.ndarray, ring_positions: np.ndarray, window:
         y = -b * step
         held = {int(p): s for s, p in enumerate(ring[b].tolist()) if p >= 0}
         for t, p in enumerate(pos[b].tolist()):
-            pad = p < 0
-            ax.add_patch(Rectangle((t + 0.04, y), 0.92, 0.8, hatch="//" if pad else None,
-                                   facecolor=STATE_COLORS["empty" if pad else "visible"],
-                                   edgecolor=EDGE_COLOR, linewidth=0.8))
-            if not pad:
-                ax.text(t + 0.5, y + 0.4, str(p), ha="center", va="center", fontsize=12)
+            slot_box(ax, t, y, p, linewidth=0.8, fontsize=12)
+            if p >= 0:
                 ax.text(t + 0.5, y - 0.12, f"s{held[p]}" if p in held else "-",
                         ha="center", va="top", fontsize=10, color=EDGE_COLOR)
         ax.text(-0.2, y + 0.4, f"row {b}", ha="right", va="center", fontsize=12)
         y = -b * pitch - below
         for s, p in enumerate(ring[b].tolist()):
-            ax.add_patch(Rectangle((s + 0.04, y), 0.92, 0.8, hatch="//" if p < 0 else None,
-                                   facecolor=STATE_COLORS["empty" if p < 0 else "visible"],
-                                   edgecolor=EDGE_COLOR, linewidth=0.8))
-            ax.text(s + 0.5, y + 0.4, "" if p < 0 else str(p), ha="center", va="center",
-                    fontsize=12)
+            slot_box(ax, s, y, p, linewidth=0.8, fontsize=12)
         ax.text(-0.2, y + 0.4, f"row {b}", ha="right", va="center", fontsize=12)
     ax.text(0, 1.0, f"positions passed, (B, T) = ({B}, {T}); hatched: padding (-1)\n"
             "under each token: sN = kept in slot N, - = not kept", ha="left", va="bottom",
@@ -307,10 +327,7 @@ def draw_padded_batch(positions: np.ndarray, ring_positions: np.ndarray, window:
     for s in range(window):
         ax.text(s + 0.5, top, str(s), ha="center", va="bottom", fontsize=10, color=EDGE_COLOR)
     ax.text(-0.2, top, "slot", ha="right", va="bottom", fontsize=10, color=EDGE_COLOR)
-    ax.set_xlim(*x_lim)
-    ax.set_ylim(*y_lim)
-    ax.set_aspect("equal")
-    ax.axis("off")
+    _bare(ax, x_lim, y_lim)
     return ax
 
 
@@ -327,35 +344,27 @@ def draw_frames(trace: Trace, frames: list[int] | None = None, *,
         index = [index[i] for i in keep]
     for i in index:
         _frame(trace, i)
-    masks = _has_mask(trace)
+    # single-row ring traces record each step's mask (``band``): drawn in a second column
+    masks = trace.layout == "ring" and trace.rows == 1 and any(f.band and f.band[0]
+                                                               for f in trace.frames)
     if masks:
         most = max(len(trace.frames[i].queries[0]) for i in index)
         height = 0.55 + 0.3 * max(most, 2)
-        fig, axes = plt.subplots(len(index), 2, figsize=(BOOK_WIDTH, height * len(index)),
-                                 squeeze=False, width_ratios=(1.25, 1))
-        for ax, i in zip(axes[:, 1], index, strict=True):
-            f = trace.frames[i]
-            if f.queries[0]:
-                _mask(ax, f)
-            else:
-                ax.axis("off")
     else:
         height = 0.6 + 0.55 * trace.rows
-        fig, axes = plt.subplots(len(index), 1, figsize=(BOOK_WIDTH, height * len(index)),
-                                 squeeze=False)
-    for ax, i in zip(axes[:, 0], index, strict=True):
-        f = trace.frames[i]
-        for row in range(trace.rows):
-            _slots(ax, f, row, (trace.rows - 1 - row) * ROW_PITCH,
-                   pointers=trace.layout == "ring", index=row == 0)
-            if trace.rows > 1:
-                ax.text(-0.2, (trace.rows - 1 - row) * ROW_PITCH + 0.4, f"row {row}",
-                        ha="right", va="center", fontsize=8)
-        _finish_rows(ax, trace.window, trace.rows)
+    fig, axes = plt.subplots(len(index), 1 + masks, figsize=(BOOK_WIDTH, height * len(index)),
+                             squeeze=False, width_ratios=(1.25, 1) if masks else None)
+    for i, row_axes in zip(index, axes, strict=True):
+        f, ax = trace.frames[i], row_axes[0]
+        _stack(ax, trace, f, (lambda row: f"row {row}") if trace.rows > 1 else None)
+        if masks and f.queries[0]:
+            _mask(row_axes[1], f)
+        elif masks:
+            row_axes[1].axis("off")
         ax.set_title(_wrap(f"step {i}: {f.caption}", 62 if masks else 120), loc="left",
                      fontsize=9 if masks else 8)
     states = ("visible", "stale", "future", "empty") if masks else ("visible", "empty")
-    _legend(axes[-1, 0], states, pointers=trace.layout == "ring")
+    slot_legend(axes[-1, 0], _fills(states), pointers=trace.layout == "ring")
     fig.tight_layout()
     return fig
 

@@ -1,7 +1,7 @@
 """Masks, RoPE angles, memory and latency: the charts around the ring.
 
 Each function takes ``ax=None`` and returns the axes. Mask colours come from
-:func:`ringviz.book.trace.slot_states`, which classifies with the real :func:`ringviz.decode_mask`.
+:func:`ringviz.book.trace.slot_states` (the window rule, :func:`ringviz.masks.visible`).
 ``plot_memory`` and ``plot_latency`` take lists of dict rows (one measurement each), the shape
 the benchmarks write.
 """
@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from ringviz.book.draw import _axes, _frame, _row
+from ringviz.book.draw import _axes, _bare, _frame, _row, slot_box
 from ringviz.book.style import BOOK_WIDTH, EDGE_COLOR, OKABE_ITO, STATE_COLORS
 from ringviz.book.trace import SLOT_STATES, Trace, slot_states
 
@@ -32,16 +32,13 @@ def draw_decode_mask(query_pos: int, positions: Sequence[int], window: int, *,
     states = slot_states(query_pos, np.asarray(positions, dtype=np.int64), window)
     ax = _axes(ax, (BOOK_WIDTH, 1.4))
     for s, (pos, state) in enumerate(zip(positions, states, strict=True)):
-        ax.add_patch(plt.Rectangle((s + 0.04, 0), 0.92, 0.8, facecolor=STATE_COLORS[state],
-                                   edgecolor=EDGE_COLOR, hatch="//" if pos < 0 else None))
-        ax.text(s + 0.5, 0.4, "" if pos < 0 else str(pos), ha="center", va="center")
+        slot_box(ax, s, 0, pos, STATE_COLORS[state])
     ax.set_xlim(0, len(positions))
     ax.set_ylim(-0.1, 0.9)
     ax.set_xticks(np.arange(len(positions)) + 0.5, [str(s) for s in range(len(positions))])
     ax.set_xlabel("slot (number = token position stored there)")
     ax.set_yticks([])
-    for side in ("left", "top", "right"):
-        ax.spines[side].set_visible(False)
+    ax.spines[["left", "top", "right"]].set_visible(False)
     ax.set_title(f"decode mask for the query at position {query_pos}, W={window}: "
                  f"sees {max(0, query_pos - window + 1)}..{query_pos}", loc="left", fontsize=10)
     _state_legend(ax, [s for s in SLOT_STATES if s in states], loc="upper center",
@@ -86,8 +83,8 @@ def draw_rope_angles(trace: Trace, frame: int = -1, *, row: int = 0,
         raise ValueError("this trace records no RoPE angles (a shift trace?)")
     ax = _axes(ax, (BOOK_WIDTH, 2.6))
     slots = np.arange(trace.window)
-    by_pos = np.array([np.nan if a is None else a for a in f.rope_abs[row]])
-    by_slot = np.array([np.nan if a is None else a for a in f.rope_slot[row]])
+    by_pos = np.array(f.rope_abs[row], dtype=float)  # None (an empty slot) -> nan
+    by_slot = np.array(f.rope_slot[row], dtype=float)
     width = 0.38
     ax.bar(slots - width / 2, by_pos, width, color=OKABE_ITO["blue"],
            label="absolute position (correct)")
@@ -126,10 +123,7 @@ def _rotation_panel(ax: Axes, query_pos: int, key_pos: int, key_angle_pos: int,
             f"angle between them: {query_pos - key_angle_pos} steps,\n"
             f"the score of a key {query_pos - key_angle_pos} tokens back", ha="center",
             va="center", fontsize=10, color=color)
-    ax.set_xlim(-1.3, 1.3)
-    ax.set_ylim(-1.9, 1.3)
-    ax.set_aspect("equal")
-    ax.axis("off")
+    _bare(ax, (-1.3, 1.3), (-1.9, 1.3))
     ax.set_title(title, fontsize=11)
 
 
@@ -155,23 +149,26 @@ def draw_rotation(query_pos: int, key_pos: int, window: int, *, step: float = np
     return axes
 
 
-def _check_rows(rows: Sequence[dict], keys: tuple[str, ...], name: str) -> None:
+def _chart(rows: Sequence[dict], x: str, y: str, group: str, ax: Axes | None, name: str,
+           xlabel: str, ylabel: str) -> Axes:
+    """One line per ``group`` value, points sorted by ``x``; colour, marker and dash from the
+    style's cycle (``style.line_cycle``), so no two lines differ by hue alone."""
     if not rows:
         raise ValueError(f"{name} needs at least one row")
     for i, r in enumerate(rows):
         if not isinstance(r, dict):
             raise TypeError(f"{name}: row {i} must be a dict, got {type(r).__name__}")
-        missing = [k for k in keys if k not in r]
+        missing = [k for k in (x, y, group) if k not in r]
         if missing:
             raise ValueError(f"{name}: row {i} lacks key(s) {missing}; has {sorted(r)}")
-
-
-def _lines(rows: Sequence[dict], x: str, y: str, group: str, ax: Axes) -> None:
-    """One line per ``group`` value, points sorted by ``x``; colour, marker and dash from the
-    style's cycle (``style.line_cycle``), so no two lines differ by hue alone."""
-    for name in dict.fromkeys(r[group] for r in rows):
-        pts = sorted((r[x], r[y]) for r in rows if r[group] == name)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=str(name))
+    ax = _axes(ax, (BOOK_WIDTH, 3.0))
+    for label in dict.fromkeys(r[group] for r in rows):
+        pts = sorted((r[x], r[y]) for r in rows if r[group] == label)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=str(label))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    return ax
 
 
 def plot_memory(rows: Sequence[dict], *, x: str = "tokens", y: str = "bytes",
@@ -180,13 +177,9 @@ def plot_memory(rows: Sequence[dict], *, x: str = "tokens", y: str = "bytes",
 
     ``rows``: e.g. ``[{"cache": "ring", "tokens": 512, "bytes": 65536}, ...]``.
     """
-    _check_rows(rows, (x, y, group), "plot_memory")
-    ax = _axes(ax, (BOOK_WIDTH, 3.0))
-    _lines(rows, x, y, group, ax)
-    ax.set_xlabel("tokens processed" if x == "tokens" else x)
-    ax.set_ylabel("cache memory (bytes)" if y == "bytes" else y)
-    ax.legend()
-    return ax
+    return _chart(rows, x, y, group, ax, "plot_memory",
+                  "tokens processed" if x == "tokens" else x,
+                  "cache memory (bytes)" if y == "bytes" else y)
 
 
 def plot_latency(rows: Sequence[dict], *, x: str = "window", y: str = "ms_per_token",
@@ -196,12 +189,8 @@ def plot_latency(rows: Sequence[dict], *, x: str = "window", y: str = "ms_per_to
     ``rows``: e.g. ``[{"method": "ring", "window": 512, "ms_per_token": 0.21}, ...]``.
     Used by ``ringviz.bench.report`` (chapter 9).
     """
-    _check_rows(rows, (x, y, group), "plot_latency")
-    ax = _axes(ax, (BOOK_WIDTH, 3.0))
-    _lines(rows, x, y, group, ax)
+    ax = _chart(rows, x, y, group, ax, "plot_latency", "window W (slots)" if x == "window" else x,
+                "ms per token" if y == "ms_per_token" else y)
     if logx:
         ax.set_xscale("log", base=2)
-    ax.set_xlabel("window W (slots)" if x == "window" else x)
-    ax.set_ylabel("ms per token" if y == "ms_per_token" else y)
-    ax.legend()
     return ax
