@@ -56,11 +56,16 @@ def _row_caption(queries: list[int], evicted: list[int],
 
 def step_caption(queries: list[list[int]], evicted: list[list[int]],
              after: np.ndarray, start: list[int], window: int, sinks: int = 0) -> str:
-    parts = [_row_caption(q, e, a, s, window, sinks)
-             for q, e, a, s in zip(queries, evicted, after.tolist(), start, strict=True)]
+    return _by_row([_row_caption(q, e, a, s, window, sinks)
+                    for q, e, a, s in zip(queries, evicted, after.tolist(), start, strict=True)])
+
+
+def _by_row(parts: list[str]) -> str:
+    """One row's text as it is; several as ``row 0: ...; row 1: ...`` (rows with no text left
+    out)."""
     if len(parts) == 1:
         return parts[0]
-    return "; ".join(f"row {b}: {text}" for b, text in enumerate(parts))
+    return "; ".join(f"row {b}: {text}" for b, text in enumerate(parts) if text)
 
 
 def slot_sum(pos: int, slot: int, window: int, sinks: int = 0) -> str:
@@ -132,8 +137,5 @@ def _row_arithmetic(queries: list[int], evicted: list[int], after: list[int], st
 def step_arithmetic(queries: list[list[int]], evicted: list[list[int]], after: np.ndarray,
                 start: list[int], window: int, sinks: int = 0) -> str:
     rows = after.tolist()
-    parts = [_row_arithmetic(q, e, a, s, window, with_start=len(rows) == 1, sinks=sinks)
-             for q, e, a, s in zip(queries, evicted, rows, start, strict=True)]
-    if len(parts) == 1:
-        return parts[0]
-    return "; ".join(f"row {b}: {text}" for b, text in enumerate(parts) if text)
+    return _by_row([_row_arithmetic(q, e, a, s, window, with_start=len(rows) == 1, sinks=sinks)
+                    for q, e, a, s in zip(queries, evicted, rows, start, strict=True)])

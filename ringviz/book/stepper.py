@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import pathlib
 from collections.abc import Callable, Mapping, Sequence
 
@@ -30,6 +31,9 @@ _HERE = pathlib.Path(__file__).parent
 COLORS = {**STATE_COLORS, "write": WRITE_COLOR, "start": START_COLOR, "evict": EVICT_COLOR,
           "edge": EDGE_COLOR}
 MAX_GRID = 96  # traces per stepper: each one is embedded in the page
+# frame fields the view takes as they are (masks and slot states it gets compacted)
+VIEW_FIELDS = ("caption", "arithmetic", "positions", "start", "written", "evicted", "queries",
+               "keys")
 STATE_LETTERS = {"visible": "v", "stale": "s", "future": "f", "empty": "e", "sink": "k"}
 LABELS = {"window": "window W", "tokens": "tokens", "prompt": "prompt tokens",
           "chunk": "chunk size", "decode_steps": "decode steps", "batch_lengths": "row lengths",
@@ -46,14 +50,7 @@ def view(trace: Trace) -> dict:
     ([[2, 1]], ['vv'], [['11']])
     """
     frames = [{
-        "caption": f.caption,
-        "arithmetic": f.arithmetic,
-        "positions": f.positions,
-        "start": f.start,
-        "written": f.written,
-        "evicted": f.evicted,
-        "queries": f.queries,
-        "keys": f.keys,
+        **{name: getattr(f, name) for name in VIEW_FIELDS},
         "band": [["".join("1" if b else "0" for b in q) for q in row] for row in f.band],
         "states": ["".join(STATE_LETTERS[s] for s in row) for row in f.slot_state],
     } for f in trace.frames]
@@ -86,6 +83,14 @@ def pack(views: Sequence[dict]) -> tuple[list[dict], list[dict]]:
 def unpack(frames: Sequence[dict], views: Sequence[dict]) -> list[dict]:
     """The inverse of :func:`pack` (what the JavaScript view does to draw a trace)."""
     return [{**v, "frames": [frames[i] for i in v["frames"]]} for v in views]
+
+
+def _pack_traces(traces: Sequence[Trace]) -> tuple[list[dict], list[dict]]:
+    """:func:`pack` the traces' views, after checking that they are traces."""
+    for t in traces:
+        if not isinstance(t, Trace):
+            raise TypeError(f"trace must be a ringviz.book.trace.Trace, got {type(t).__name__}")
+    return pack([view(t) for t in traces])
 
 
 def _label(value: object) -> str:
@@ -123,16 +128,11 @@ class RingStepper(anywidget.AnyWidget):
     def __init__(self, trace: Trace | Sequence[Trace], *, params: Sequence[dict] = (),
                  choice: int = 0, **kwargs: object) -> None:
         traces = [trace] if isinstance(trace, Trace) else list(trace)
-        for t in traces:
-            if not isinstance(t, Trace):
-                raise TypeError(f"trace must be a ringviz.book.trace.Trace, got {type(t).__name__}")
-        size = 1
-        for p in params:
-            size *= len(p["values"])
+        frames, views = _pack_traces(traces)
+        size = math.prod(len(p["values"]) for p in params)
         if not traces or len(traces) != size:
             raise ValueError(f"{len(traces)} traces for a grid of {size} points")
         self._traces = traces
-        frames, views = pack([view(t) for t in traces])
         super().__init__(frames=frames, views=views, params=list(params), choice=choice,
                          **kwargs)
 
@@ -147,7 +147,6 @@ class RingStepper(anywidget.AnyWidget):
         """
         vary = dict(vary or {})
         axes = [(name, list(values)) for name, values in vary.items()]
-        size = 1
         for name, values in axes:
             if name not in settings:
                 raise ValueError(f"vary names {name!r}, which the settings do not set")
@@ -156,7 +155,7 @@ class RingStepper(anywidget.AnyWidget):
             if settings[name] not in values:
                 raise ValueError(f"{name}={settings[name]!r} is not among vary[{name!r}] = "
                                  f"{values}")
-            size *= len(values)
+        size = math.prod(len(values) for _, values in axes)
         if size > MAX_GRID:
             raise ValueError(f"a grid of {size} traces is too heavy for a page (at most "
                              f"{MAX_GRID})")
@@ -207,10 +206,8 @@ class RingStepper(anywidget.AnyWidget):
 
     def show(self, trace: Trace) -> None:
         """Replace the grid by one trace (what :class:`Controls` does on every change)."""
-        if not isinstance(trace, Trace):
-            raise TypeError(f"trace must be a ringviz.book.trace.Trace, got {type(trace).__name__}")
+        frames, views = _pack_traces([trace])
         self._traces = [trace]
-        frames, views = pack([view(trace)])
         with self.hold_trait_notifications():
             self.frame, self.choice, self.params = 0, 0, []
             self.frames, self.views = frames, views

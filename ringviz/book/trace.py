@@ -40,7 +40,7 @@ import torch
 from ringviz.book.captions import ring_start, spans, step_arithmetic, step_caption
 from ringviz.cache import RingKVCache
 from ringviz.checks import check_int
-from ringviz.masks import band_mask, decode_mask
+from ringviz.masks import band_mask, visible
 from ringviz.reference import ShiftWindowKVCache
 from ringviz.ring import RingKV
 from ringviz.rope import rope_angles
@@ -144,16 +144,13 @@ class Trace:
 
 
 def slot_states(query_pos: int, positions: np.ndarray, window: int, sinks: int = 0) -> list[str]:
-    """Classify each slot for one query: visible (the real mask), else stale/future/empty.
+    """Classify each slot for one query: visible (the window rule), else stale/future/empty.
 
     With ``sinks=S`` the first ``S`` slots are sink slots: ``"sink"`` once they hold a position
-    the query sees (by the real sink-and-window mask), ``"empty"`` before.
+    the query sees (by the same rule with sinks), ``"empty"`` before.
     """
     positions = np.asarray(positions)
-    if sinks:
-        seen = band_mask(np.array([query_pos]), positions, window, sinks)[0]
-    else:
-        seen = decode_mask(query_pos, positions, window)
+    seen = visible(np.asarray(query_pos), positions, window, sinks)
     return [("sink" if slot < sinks else "visible") if s else "empty" if p < 0
             else "future" if p > query_pos else "stale"
             for slot, (s, p) in enumerate(zip(seen.tolist(), positions.tolist(), strict=True))]
