@@ -245,10 +245,10 @@ class Controls(widgets.VBox):
                                   description="batch lengths", placeholder="e.g. 12, 7, 3",
                                   continuous_update=False, style=slider["style"])
         self.message = widgets.HTML()
-        for control in (self.window, self.prompt, self.chunk, self.decode_steps, self.batch):
+        controls = [self.window, self.prompt, self.chunk, self.decode_steps, self.batch]
+        for control in controls:
             control.observe(self.rebuild, names="value")
-        super().__init__([self.window, self.prompt, self.chunk, self.decode_steps, self.batch,
-                          self.message, self.stepper])
+        super().__init__([*controls, self.message, self.stepper])
         self.rebuild()
 
     def scenario(self) -> Scenario:
