@@ -88,18 +88,13 @@ def _package_dir(package: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
-def _part_paths(spec: ModelSpec) -> list[Path]:
-    paths = [_package_dir(package) / rel for package, rel in spec.parts]
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"model files missing: {missing}; reinstall with: {PIP_HINT}")
-    return paths
-
-
 def gguf_path(name: str) -> Path:
     """The verified GGUF file of a model (multi-part files are assembled once into the cache)."""
     spec = get_spec(name)
-    parts = _part_paths(spec)
+    parts = [_package_dir(package) / rel for package, rel in spec.parts]
+    missing = [str(p) for p in parts if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"model files missing: {missing}; reinstall with: {PIP_HINT}")
     if len(parts) == 1:
         path = parts[0]
     else:
@@ -157,11 +152,9 @@ def gguf_progress_follows_transformers(transformers) -> Iterator[None]:
         gguf_utils.tqdm = before
 
 
-def _build_float32_copy(name: str, target: Path) -> None:
+def _build_float32_copy(name: str, target: Path, transformers) -> None:
     """De-quantise the GGUF through transformers and save a plain float32 checkpoint."""
-    transformers = _require_transformers()
     path = gguf_path(name)
-    os.environ["HF_HUB_OFFLINE"] = "1"
     kwargs = {"gguf_file": path.name}
     with gguf_progress_follows_transformers(transformers):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
@@ -225,11 +218,11 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32,
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
     transformers = _require_transformers()
+    os.environ["HF_HUB_OFFLINE"] = "1"
     target = float32_dir(name)
     if not _cached_copy_ok(target, name):
         shutil.rmtree(target, ignore_errors=True)  # a stale or half-written copy
-        _build_float32_copy(name, target)
-    os.environ["HF_HUB_OFFLINE"] = "1"
+        _build_float32_copy(name, target, transformers)
     tokenizer = transformers.AutoTokenizer.from_pretrained(target)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         target, dtype=torch.float32, attn_implementation="sdpa")
