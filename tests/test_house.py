@@ -3,13 +3,15 @@
 The wings, lowest first: the taught ring (``ringviz/*.py`` but the CLI), ``book`` (what only the
 book uses), ``hf``, ``conformance``, ``models``, ``bench``, the CLI. The core never imports
 transformers, matplotlib, widgets or hypothesis; no wing imports a higher one; no module-level
-import circle. Modules are split by concept, never by a line count.
+import circle. Modules are split by concept, never by a line count. A step crosses few files.
 """
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1] / "ringviz"
 ABOVE_CORE = ("ringviz.hf", "ringviz.models", "ringviz.book", "ringviz.bench",
@@ -92,3 +94,39 @@ def test_the_rules_see_the_modules():
     assert {"ringviz.cache", "ringviz.masks", "ringviz.attention"} <= set(CORE)
     assert "ringviz.hf.cache" in MODULES and "ringviz.models.drive" in MODULES
     assert "ringviz.masks" in imports(CORE["ringviz.cache"], top_level_only=True)
+
+
+def files_entered(fn) -> list[str]:
+    """The ringviz source files whose functions ``fn()`` calls (sys.setprofile)."""
+    seen: set[str] = set()
+
+    def profile(frame, event, arg) -> None:
+        path = Path(frame.f_code.co_filename)
+        if event == "call" and path.is_relative_to(ROOT):
+            seen.add(path.relative_to(ROOT).as_posix())
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return sorted(seen)
+
+
+def test_a_step_crosses_few_files():
+    """The data path reads in few places: a validated decode step of the core ring enters
+    its ring, its checks and its attention; a whole ``ringviz.hf.generate`` on a Gemma 3
+    (sliding and full layers) adds the window rule and the four ``hf`` modules it needs."""
+    from ringviz import RingKVCache, hf
+    from tests.tiny_models import prompt, tiny_gemma
+
+    ring = RingKVCache(1, 2, window=4, head_dim=8, dtype=torch.float64)
+    x = torch.randn(1, 4, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    ring.step(x, x[:, :2], x[:, :2], torch.arange(6)[None])
+    one = x[:, :, -1:]
+    step = files_entered(lambda: ring.step(one, one[:, :2], one[:, :2], torch.tensor([[6]])))
+    assert step == ["attention.py", "cache.py", "checks.py"]
+    model, ids = tiny_gemma(), prompt(9)
+    generate = files_entered(lambda: hf.generate(model, ids, max_new_tokens=4, do_sample=False))
+    assert generate == ["attention.py", "cache.py", "checks.py", "hf/attention.py",
+                        "hf/cache.py", "hf/config.py", "hf/generation.py", "masks.py"]
