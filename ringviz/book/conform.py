@@ -106,9 +106,12 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
     for q in range(n):
         for k in range(n):
             e, s = expected[q, k], seen[q, k]
-            if e or s:
-                cell(k, q, *((STATE_COLORS["visible"], None) if e and s else
-                             (MISSED_COLOR, "xxx") if e else (EXTRA_COLOR, "///")))
+            if e and s:
+                cell(k, q, STATE_COLORS["visible"])
+            elif e:
+                cell(k, q, MISSED_COLOR, "xxx")
+            elif s:
+                cell(k, q, EXTRA_COLOR, "///")
             elif k <= q:
                 cell(k, q, "#E0E0E0")
     extras = [(name, counts) for name, counts in (("none", failure.seen_blank),
