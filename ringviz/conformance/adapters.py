@@ -15,6 +15,8 @@ layout="rows")``): each row's real tokens, no padding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ringviz import RingKVCache
@@ -51,11 +53,6 @@ def _rewound_lengths(ring: RingKVCache, n: int) -> torch.Tensor:
     return lengths
 
 
-def _rewind_ring(ring: RingKVCache, n: int) -> None:
-    """Forget each row's newest ``n`` positions (:meth:`RingKVCache.truncate`)."""
-    ring.truncate(_rewound_lengths(ring, n), check=False)
-
-
 class DraftStep:
     """A :class:`~ringviz.RingKVCache`'s ``step`` and ``rewind(n)`` (a speculative decoder's
     rollback of rejected drafts)."""
@@ -68,8 +65,8 @@ class DraftStep:
         return self.ring.step(q, k, v, positions)
 
     def rewind(self, n: int) -> None:
-        """Forget the newest ``n`` tokens of every row."""
-        _rewind_ring(self.ring, n)
+        """Forget the newest ``n`` tokens of every row (:meth:`RingKVCache.truncate`)."""
+        self.ring.truncate(_rewound_lengths(self.ring, n), check=False)
 
 
 def ringviz_draft(window: int, sinks: int = 0, drafts: int = 2) -> MakeStep:
@@ -125,59 +122,69 @@ def ringviz_rows(window: int, sinks: int = 0, drafts: int = 0) -> MakeStep:
 
 
 # ---------------------------------------------------------------- Hugging Face transformers
-def _hf_masked_step(layer_factory, window: int, s: StepSpec) -> Step:
-    """A transformers cache layer driven as a model's forward drives it, allocated up front
-    (``Cache.early_initialization``, as transformers' export recipes do).
+class HfStep:
+    """A transformers cache layer driven as a model's forward drives it. Per forward: the mask
+    first, from ``create_sliding_window_causal_mask`` (it sizes itself with the layer's
+    ``get_mask_sizes``) and the 2D padding mask over every token so far; then ``cache.update``;
+    then the sdpa attention function over what the update returned."""
 
-    Per forward: the mask first, from ``create_sliding_window_causal_mask`` (it sizes itself with
-    the layer's ``get_mask_sizes``) and the 2D padding mask over every token so far; then
-    ``cache.update``; then the sdpa attention function over what the update returned.
-    """
-    from transformers import MistralConfig
-    from transformers.cache_utils import Cache
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import create_sliding_window_causal_mask
+    def __init__(self, layer, window: int, s: StepSpec) -> None:
+        from transformers import MistralConfig
+        from transformers.cache_utils import Cache
 
-    config = MistralConfig(sliding_window=window, num_attention_heads=s.num_heads,
-                           num_key_value_heads=s.num_kv_heads)
-    config._attn_implementation = "sdpa"
-    cache = Cache(layers=[layer_factory()])
-    cache.early_initialization(s.batch_size, s.num_kv_heads, s.head_dim, s.dtype, s.device)
-    module = torch.nn.Module()  # what sdpa_attention_forward reads of an attention module
-    module.is_causal, module.num_key_value_groups = True, s.num_heads // s.num_kv_heads
-    seen: list[torch.Tensor] = []  # the 2D padding mask so far, (B, tokens)
+        self.config = MistralConfig(sliding_window=window, num_attention_heads=s.num_heads,
+                                    num_key_value_heads=s.num_kv_heads)
+        self.config._attn_implementation = "sdpa"
+        self.cache = Cache(layers=[layer])
+        self.module = torch.nn.Module()  # what sdpa_attention_forward reads of a module
+        self.module.is_causal = True
+        self.module.num_key_value_groups = s.num_heads // s.num_kv_heads
+        self.padding = torch.empty(s.batch_size, 0, dtype=torch.bool, device=s.device)
 
-    def step(q, k, v, positions):
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
         B, _, T, D = q.shape
-        seen.append(positions >= 0)
-        padding = torch.cat(seen, dim=1)
+        self.padding = torch.cat([self.padding, positions >= 0], dim=1)  # (B, tokens so far)
         embeds = q.new_zeros(B, T, 1)  # only its shape, dtype and device are read
         # generate's position ids: a row's real tokens count 0, 1, ...; padding gets 1
         position_ids = positions.masked_fill(positions < 0, 1)
-        mask = create_sliding_window_causal_mask(config, embeds, padding, cache, position_ids)
-        keys, values = cache.update(k, v, 0)
-        out, _ = sdpa_attention_forward(module, q, keys, values, mask, scaling=D ** -0.5,
-                                        sliding_window=window)
+        mask = create_sliding_window_causal_mask(self.config, embeds, self.padding, self.cache,
+                                                 position_ids)
+        keys, values = self.cache.update(k, v, 0)
+        out, _ = sdpa_attention_forward(self.module, q, keys, values, mask, scaling=D ** -0.5,
+                                        sliding_window=self.config.sliding_window)
         return out.transpose(1, 2)  # (B, T, Hq, D) -> (B, Hq, T, D)
 
-    return step
+
+def _hf_allocated(layer_factory: Callable[[], object], window: int) -> MakeStep:
+    """An :class:`HfStep` over ``layer_factory()``, allocated up front
+    (``Cache.early_initialization``, as transformers' export recipes do)."""
+    def build(s: StepSpec) -> Step:
+        step = HfStep(layer_factory(), window, s)
+        step.cache.early_initialization(s.batch_size, s.num_kv_heads, s.head_dim, s.dtype,
+                                        s.device)
+        return step
+
+    return prebuilt(build)
 
 
 def hf_dynamic_sliding(window: int) -> MakeStep:
     """transformers' ``DynamicSlidingWindowLayer`` (cat, keep the last W-1) with its masks."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
-    return prebuilt(lambda s: _hf_masked_step(
-        lambda: DynamicSlidingWindowLayer(sliding_window=window), window, s))
+    return _hf_allocated(lambda: DynamicSlidingWindowLayer(sliding_window=window), window)
 
 
 def hf_static_sliding(window: int, max_cache_len: int = 4096) -> MakeStep:
     """transformers' ``StaticSlidingWindowLayer`` (roll and copy W slots) with its masks."""
     from transformers.cache_utils import StaticSlidingWindowLayer
 
-    return prebuilt(lambda s: _hf_masked_step(
+    return _hf_allocated(
         lambda: StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=window),
-        window, s))
+        window)
 
 
 def ringviz_hf(window: int, sinks: int = 0) -> MakeStep:
@@ -214,6 +221,24 @@ def _from_mx(x, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(x)).to(device=like.device, dtype=like.dtype)
 
 
+def _mlx_sdpa(q: torch.Tensor, keys, values, mask) -> torch.Tensor:
+    """mlx's fast attention over mlx ``keys``/``values`` for torch ``q``, back to torch."""
+    import mlx.core as mx
+
+    out = mx.fast.scaled_dot_product_attention(_to_mx(q), keys, values,
+                                               scale=q.shape[-1] ** -0.5, mask=mask)
+    return _from_mx(out, q)
+
+
+def _mlx_forward(cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 window_size: int | None) -> torch.Tensor:
+    """One forward as ``mlx_lm.models.base`` runs it: the mask (before the update), the
+    update, mlx's attention."""
+    mask = cache.make_mask(q.shape[2], window_size=window_size)
+    keys, values = cache.update_and_fetch(_to_mx(k), _to_mx(v))
+    return _mlx_sdpa(q, keys, values, mask)
+
+
 def mlx_rotating(max_size: int, keep: int = 0, window_size: int | None = None) -> MakeStep:
     """mlx-lm's ``RotatingKVCache(max_size, keep)`` as its models drive it.
 
@@ -248,16 +273,10 @@ class MlxStep:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
-        import mlx.core as mx
-
         if bool((positions < 0).any()):
             raise ValueError("RotatingKVCache has no padding (one sequence per row, "
                              "all rows in step): check it with ragged=False")
-        mask = self.cache.make_mask(q.shape[2], window_size=self.window_size)
-        keys, values = self.cache.update_and_fetch(_to_mx(k), _to_mx(v))
-        out = mx.fast.scaled_dot_product_attention(_to_mx(q), keys, values,
-                                                   scale=q.shape[-1] ** -0.5, mask=mask)
-        return _from_mx(out, q)
+        return _mlx_forward(self.cache, q, k, v, self.window_size)
 
     def rewind(self, n: int) -> None:
         """``trim_prompt_cache([cache], n)``, its answer recorded and, as mlx-lm does, not
@@ -273,7 +292,6 @@ def mlx_batch_rotating(max_size: int) -> MakeStep:
     is all padding raises :class:`Unsupported`). Masks from its ``make_mask``, as above. Check
     with ``window=max_size``."""
     def build(s: StepSpec) -> Step:
-        import mlx.core as mx
         from mlx_lm.models.cache import BatchRotatingKVCache
 
         cache: list = []
@@ -286,11 +304,7 @@ def mlx_batch_rotating(max_size: int) -> MakeStep:
                                       "it is built: a row's first chunk must hold a real token")
                 pad = (~real).sum(dim=1).tolist()
                 cache.append(BatchRotatingKVCache(max_size, left_padding=pad))
-            mask = cache[0].make_mask(q.shape[2], window_size=max_size)
-            keys, values = cache[0].update_and_fetch(_to_mx(k), _to_mx(v))
-            out = mx.fast.scaled_dot_product_attention(_to_mx(q), keys, values,
-                                                       scale=q.shape[-1] ** -0.5, mask=mask)
-            return _from_mx(out, q)
+            return _mlx_forward(cache[0], q, k, v, max_size)
 
         return step
 

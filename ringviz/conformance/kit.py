@@ -3,10 +3,9 @@
 Each example is one :class:`~ringviz.conformance.schedule.Schedule` run through fresh caches
 (:func:`~ringviz.conformance.probe.evaluate`). A failing example raises an exception of its
 property's class; hypothesis then shrinks it (fewer, smaller chunks, smaller offsets, fewer and
-smaller rewinds) while the
-same property keeps failing, and with ``report_multiple_bugs`` it shrinks each property apart.
-The run is seeded (``@seed``) and keeps no example database, so the same call gives the same
-report.
+smaller rewinds) while the same property keeps failing, and with ``report_multiple_bugs`` it
+shrinks each property apart. The run is seeded (``@seed``) and keeps no example database, so
+the same call gives the same report.
 """
 
 from __future__ import annotations
@@ -26,12 +25,11 @@ from ringviz.conformance.probe import (
     NUM_KV_HEADS,
     Unsupported,
     evaluate,
-    has_rewind,
     head_dim_for,
 )
 from ringviz.conformance.report import PROPERTIES, Failure, Report
 from ringviz.conformance.schedule import schedules
-from ringviz.conformance.seam import StepSpec
+from ringviz.conformance.seam import StepSpec, make
 
 
 class _Broken(Exception):
@@ -42,32 +40,8 @@ class _Broken(Exception):
         self.failure = failure
 
 
-class _WindowBroken(_Broken):
-    pass
-
-
-class _PaddingBroken(_Broken):
-    pass
-
-
-class _ValuesBroken(_Broken):
-    pass
-
-
-class _StepBroken(_Broken):
-    pass
-
-
-def _raise(failure: Failure) -> None:
-    # one raise per property, each on its own line: hypothesis tells bugs apart by where they
-    # are raised, and shrinks each one on its own
-    if failure.property == "window":
-        raise _WindowBroken(failure)
-    if failure.property == "padding":
-        raise _PaddingBroken(failure)
-    if failure.property == "values":
-        raise _ValuesBroken(failure)
-    raise _StepBroken(failure)
+# hypothesis tells bugs apart by their exception's class, and shrinks each one on its own
+_BROKEN = {p: type(f"_{p.title()}Broken", (_Broken,), {}) for p in PROPERTIES}
 
 
 def _leaves(err: BaseException) -> list[BaseException]:
@@ -107,7 +81,11 @@ def _check_rewind(make_step: MakeStep, batch_size: int, dtype: torch.dtype,
     """TypeError unless the step ``make_step`` builds has a ``rewind(n)`` method (a step that
     cannot be built is left to the run, which reports it)."""
     spec = StepSpec(batch_size, NUM_HEADS, NUM_KV_HEADS, head_dim_for(1), dtype, device)
-    if has_rewind(make_step, spec) is False:
+    try:
+        step = make(make_step, spec)
+    except Exception:  # noqa: BLE001 -- an unbuildable cache is the run's "error"
+        return
+    if not callable(getattr(step, "rewind", None)):
         raise TypeError("rewind=True needs a step with a rewind(n) method (forget the newest "
                         "n tokens of every row); the step make_step built has no callable "
                         "'rewind'")
@@ -162,13 +140,12 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
                              device=device, seed=seed, layout=layout)
         except Unsupported as err:
             skipped, why = skipped + 1, str(err)
-            found = None
             reject()
         finally:
             if progress is not None:
                 progress(runs)
         if found is not None:
-            _raise(found)
+            raise _BROKEN[found.property](found)
 
     failures: list[Failure] = []
     try:

@@ -26,7 +26,13 @@ import torch
 
 from ringviz import RingKVCache, apply_rope, band_mask
 from ringviz.cache import MakeStep, Step
-from ringviz.conformance.adapters import MlxStep, _from_mx, _to_mx
+from ringviz.conformance.adapters import (
+    HfStep,
+    MlxStep,
+    _mlx_sdpa,
+    _to_mx,
+    hf_dynamic_sliding,
+)
 from ringviz.conformance.kit import check
 from ringviz.conformance.pitfalls import attend
 from ringviz.conformance.probe import Unsupported
@@ -304,15 +310,6 @@ def _litgpt(version: str, token_by_token: bool = False) -> Callable[[int], MakeS
 
 
 # ------------------------------------------------------------------ mlx-lm (the real package)
-def _mlx_sdpa(q: torch.Tensor, keys, values, mask) -> torch.Tensor:
-    """mlx's fast attention over mlx ``keys``/``values`` for torch ``q``, back to torch."""
-    import mlx.core as mx
-
-    out = mx.fast.scaled_dot_product_attention(_to_mx(q), keys, values,
-                                               scale=q.shape[-1] ** -0.5, mask=mask)
-    return _from_mx(out, q)
-
-
 def causal_mask_pre390(N: int, offset: int, window_size: int | None):
     """mlx-lm's ``create_causal_mask`` before PR #390: the window test ``<=`` admits W + 1."""
     import mlx.core as mx
@@ -726,12 +723,6 @@ def by_rule(visible: Callable[[torch.Tensor, int], torch.Tensor], n: int) -> Mak
     return prebuilt(build)
 
 
-def _hf_dynamic(n: int) -> MakeStep:
-    from ringviz.conformance.adapters import hf_dynamic_sliding
-
-    return hf_dynamic_sliding(n)
-
-
 def _below(d: torch.Tensor, n: int) -> torch.Tensor:
     """``0 <= q - k < n``: n keys."""
     return (d >= 0) & (d < n)
@@ -761,7 +752,7 @@ CONVENTIONS: list[Convention] = [
                "keeps `W - 1`, then appends", "sliding_window",
                None, lambda n: n, "sliding_window",
                "transformers cache_utils.DynamicSlidingWindowLayer (the installed one, with "
-               "its masks and sdpa)", real=_hf_dynamic),
+               "its masks and sdpa)", real=hf_dynamic_sliding),
     Convention("llama.cpp, standard SWA", "masked if `p1 - p0 >= n_swa`", "n_swa", _below,
                lambda n: n, "n_swa", f"{_LLAMA}, LLAMA_SWA_TYPE_STANDARD"),
     Convention("llama.cpp, symmetric SWA",
@@ -864,44 +855,24 @@ def _recording_layer_pre48280():
     return RecordingLayer
 
 
-class _AssistedStep:
+class _AssistedStep(HfStep):
     """One row through a transformers sliding layer recording its past, as assisted decoding
-    drives it: per forward the mask from ``create_sliding_window_causal_mask`` (sized by the
-    layer's ``get_mask_sizes``), ``cache.update``, then the sdpa attention function; a rewind
-    is ``cache.crop(-n)``, which takes back only tokens fed since the last crop."""
+    drives it (:class:`~ringviz.conformance.adapters.HfStep`); a rewind is ``cache.crop(-n)``,
+    which takes back only tokens fed since the last crop."""
 
     def __init__(self, layer, window: int, s: StepSpec) -> None:
-        from transformers import MistralConfig
-        from transformers.cache_utils import Cache
-
-        self.config = MistralConfig(sliding_window=window, num_attention_heads=s.num_heads,
-                                    num_key_value_heads=s.num_kv_heads)
-        self.config._attn_implementation = "sdpa"
         layer.activate_past_recording()
-        self.cache, self.since_crop = Cache(layers=[layer]), 0
-        self.module = torch.nn.Module()  # what sdpa_attention_forward reads of a module
-        self.module.is_causal = True
-        self.module.num_key_value_groups = s.num_heads // s.num_kv_heads
-
-    def __call__(self, q, k, v, positions):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-        from transformers.masking_utils import create_sliding_window_causal_mask
-
-        mask = create_sliding_window_causal_mask(self.config, q.new_zeros(1, q.shape[2], 1),
-                                                 None, self.cache, positions)
-        keys, values = self.cache.update(k, v, 0)
-        self.since_crop += k.shape[2]
-        out, _ = sdpa_attention_forward(self.module, q, keys, values, mask,
-                                        scaling=q.shape[-1] ** -0.5,
-                                        sliding_window=self.config.sliding_window)
-        return out.transpose(1, 2)
+        super().__init__(layer, window, s)
+        self.cropped_at = 0  # tokens fed before the last crop
 
     def rewind(self, n: int) -> None:
-        if n > self.since_crop:
-            raise Unsupported(f"crop takes back the {self.since_crop} tokens fed since the "
-                              f"last crop, not {n}")
+        since_crop = self.padding.shape[1] - self.cropped_at
+        if n > since_crop:
+            raise Unsupported(f"crop takes back the {since_crop} tokens fed since the last "
+                              f"crop, not {n}")
         self.cache.crop(-n)
-        self.since_crop = 0
+        self.padding = self.padding[:, :-n]
+        self.cropped_at = self.padding.shape[1]
 
 
 def _hf_assisted(layer_cls: Callable | None) -> Callable[[int], MakeStep]:

@@ -120,10 +120,7 @@ def setting(report: Report) -> str:
     """
     rows = (f"{report.batch_size} ragged rows" if report.ragged
             else f"{report.batch_size} row{'s' if report.batch_size > 1 else ''}")
-    text = f"W={report.window} S={report.sinks}, {rows}"
-    return (text + (f", chunks <= {report.max_chunk}" if report.max_chunk else "")
-            + (", rewinds" if report.rewind else "")
-            + (", rows layout" if report.layout == "rows" else ""))
+    return f"W={report.window} S={report.sinks}, {rows}{report.options()}"
 
 
 def table_row(report: Report) -> dict[str, str]:

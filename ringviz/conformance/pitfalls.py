@@ -45,7 +45,9 @@ from ringviz.rope import Rope
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            mask: torch.Tensor) -> torch.Tensor:
-    """Softmax attention ``(B, Hq, T, D)`` under a bool mask ``(B, T, K)``; GQA; empty rows 0."""
+    """Softmax attention ``(B, Hq, T, D)`` under a bool mask ``(B, T, K)``, in ``q``'s dtype:
+    head ``h`` reads KV head ``h // G`` (grouped-query), a query that sees nothing outputs 0.
+    In float64, the kit's reference (:mod:`~ringviz.conformance.probe`)."""
     G = q.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(G, dim=1), values.repeat_interleave(G, dim=1)
     scores = (q @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import math
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from ringviz import band_mask
 from ringviz.cache import MakeStep, Step
+from ringviz.conformance.pitfalls import attend
 from ringviz.conformance.report import Failure
 from ringviz.conformance.schedule import Schedule
 from ringviz.conformance.seam import StepSpec, make
@@ -59,38 +62,44 @@ def head_dim_for(ids: int) -> int:
     return min(MAX_HEAD_DIM, max(8, -(-ids // 8) * 8))
 
 
-def described(err: BaseException, frames: int = TRACEBACK_FRAMES) -> str:
-    """``"Type: text"`` and the innermost ``frames`` frames of its traceback, the kit's own
-    left out (where in the cache's code it broke)."""
+def described(err: BaseException) -> str:
+    """``"Type: text"`` and the innermost :data:`TRACEBACK_FRAMES` frames of its traceback, the
+    kit's own left out (where in the cache's code it broke)."""
     stack = [f for f in traceback.extract_tb(err.__traceback__) if f.filename not in _KIT_FILES]
     text = f"{type(err).__name__}: {err}"
-    if not stack or frames < 1:
+    if not stack:
         return text
-    lines = "".join(traceback.format_list(stack[-frames:])).rstrip("\n").split("\n")
+    lines = "".join(traceback.format_list(stack[-TRACEBACK_FRAMES:])).rstrip("\n").split("\n")
     return text + "\n  last frames, innermost last:\n" + "\n".join("  " + ln for ln in lines)
 
 
 LAYOUTS = ("padded", "rows")
 
 
-def _build(make_step: MakeStep, spec: StepSpec) -> Step:
-    """The step of a fresh cache; a cache that cannot be built is a StepError at chunk 0."""
+@contextmanager
+def _reported(i: int, doing: str = "") -> Iterator[None]:
+    """An exception the cache's code raises becomes a StepError at chunk ``i``, its text after
+    ``doing``; :class:`Unsupported` (a schedule declined) passes through."""
     try:
-        return make(make_step, spec)
-    except Unsupported:
+        yield
+    except (Unsupported, StepError):
         raise
-    except Exception as err:  # noqa: BLE001 -- a cache that cannot be built is reported
-        raise StepError(0, f"make_step raised {described(err)}") from err
+    except Exception as err:  # noqa: BLE001 -- the kit reports, never propagates
+        raise StepError(i, doing + described(err)) from err
+
+
+def _kind(out: object) -> object:
+    """A returned output in words: its shape if a tensor, else its type."""
+    return tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
 
 
 def _padded(step: Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             positions: torch.Tensor, i: int) -> torch.Tensor:
     """One chunk, padded layout: ``(B, H, T, D)`` tensors in, ``(B, Hq, T, D)`` out."""
     out = step(q, k, v, positions)
-    want = tuple(q.shape)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise StepError(i, f"step returned {got}, expected a tensor of shape {want}")
+    if _kind(out) != tuple(q.shape):
+        raise StepError(i, f"step returned {_kind(out)}, expected a tensor of shape "
+                        f"{tuple(q.shape)}")
     return out
 
 
@@ -108,22 +117,11 @@ def _rows(step: Step, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     full = q.new_zeros(q.shape)
     for b, o in enumerate(out):
         want = (q.shape[1], int(real[b].sum()), q.shape[3])
-        if not isinstance(o, torch.Tensor) or tuple(o.shape) != want:
-            got = tuple(o.shape) if isinstance(o, torch.Tensor) else type(o).__name__
-            raise StepError(i, f"step returned {got} for row {b}, expected a tensor of shape "
-                            f"{want} (rows layout)")
+        if _kind(o) != want:
+            raise StepError(i, f"step returned {_kind(o)} for row {b}, expected a tensor of "
+                            f"shape {want} (rows layout)")
         full[b][:, real[b]] = o.to(device=q.device, dtype=q.dtype)
     return full
-
-
-def _rewind(step: Step, n: int, i: int) -> None:
-    """Tell the step to forget its newest ``n`` tokens (after chunk ``i``)."""
-    try:
-        step.rewind(n)
-    except Unsupported:
-        raise
-    except Exception as err:  # noqa: BLE001 -- the kit reports, never propagates
-        raise StepError(i, f"rewind({n}) after this chunk raised {described(err)}") from err
 
 
 def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tensor,
@@ -132,42 +130,20 @@ def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tens
     outputs, float64. ``layout`` is how a chunk is handed over: ``"padded"`` tensors, or
     ``"rows"``, each row's real tokens (:mod:`ringviz.conformance`)."""
     B, Hq, _, D = q.shape
-    step = _build(make_step, StepSpec(B, Hq, k.shape[1], D, q.dtype, q.device))
+    with _reported(0, "make_step raised "):
+        step = make(make_step, StepSpec(B, Hq, k.shape[1], D, q.dtype, q.device))
     one = _rows if layout == "rows" else _padded
     outs = []
     for i, (a, b) in enumerate(schedule.bounds()):
         # copies: a step that writes into its inputs must not change what the kit compares
         chunk = [t[:, :, a:b].clone() for t in (q, k, v)] + [positions[:, a:b].clone()]
-        try:
-            with torch.no_grad():
-                out = one(step, *chunk, i)
-        except (Unsupported, StepError):
-            raise
-        except Exception as err:  # noqa: BLE001 -- the kit reports, never propagates
-            raise StepError(i, described(err)) from err
+        with _reported(i), torch.no_grad():
+            out = one(step, *chunk, i)
         outs.append(out.detach().to(device=q.device, dtype=torch.float64))
-        if schedule.rewind_after(i):
-            _rewind(step, schedule.rewind_after(i), i)
+        if n := schedule.rewind_after(i):
+            with _reported(i, f"rewind({n}) after this chunk raised "):
+                step.rewind(n)
     return torch.cat(outs, dim=2)
-
-
-def has_rewind(make_step: MakeStep, spec: StepSpec) -> bool | None:
-    """Whether the step ``make_step`` builds has a callable ``rewind`` (None: it could not be
-    built; the run reports that)."""
-    try:
-        step = make(make_step, spec)
-    except Exception:  # noqa: BLE001 -- an unbuildable cache is the run's "error"
-        return None
-    return callable(getattr(step, "rewind", None))
-
-
-def expected_mask(positions: torch.Tensor, window: int, sinks: int,
-                  held: torch.Tensor | None = None) -> torch.Tensor:
-    """``(B, N, N)``: query column c of row b sees key column c' of the same row: its window
-    over the keys held when c is answered (``held`` (N, N), :meth:`Schedule.held`; all fed
-    before it when None, a schedule without rewinds)."""
-    mask = band_mask(positions, positions, window, sinks)
-    return mask if held is None else mask & held.to(mask.device)[None]
 
 
 def _repeat_keys(schedule: Schedule, *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -310,18 +286,6 @@ def schedule_failure(prop: str, schedule: Schedule, **details: object) -> Failur
                    rewinds=list(schedule.rewinds), **details)
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: torch.Tensor) -> torch.Tensor:
-    """Float64 softmax attention of every column over the columns ``mask`` (B, N, N) allows."""
-    q, k, v = (t.to(torch.float64) for t in (q, k, v))
-    G = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)  # head h: KV h // G
-    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    scores = scores.masked_fill(~mask[:, None], float("-inf"))
-    weights = scores.softmax(dim=-1).nan_to_num(nan=0.0)  # a query seeing nothing: 0
-    return weights @ v
-
-
 def random_outputs(make_step: MakeStep, schedule: Schedule, positions: torch.Tensor,
                    mask: torch.Tensor, *, dtype: torch.dtype, device: torch.device,
                    gen: torch.Generator, layout: str = "padded"
@@ -335,7 +299,8 @@ def random_outputs(make_step: MakeStep, schedule: Schedule, positions: torch.Ten
                                                    dtype=torch.float64)
                                        .to(device=device, dtype=dtype)
                                        for h in (NUM_HEADS, NUM_KV_HEADS, NUM_KV_HEADS)))
-    return feed(make_step, schedule, q, k, v, positions, layout), reference(q, k, v, mask)
+    ref = attend(*(t.to(torch.float64) for t in (q, k, v)), mask)  # the float64 reference
+    return feed(make_step, schedule, q, k, v, positions, layout), ref
 
 
 def padding_failure(out: torch.Tensor, schedule: Schedule,
@@ -383,7 +348,8 @@ def evaluate(make_step: MakeStep, schedule: Schedule, *, window: int, sinks: int
     """
     gen = torch.Generator().manual_seed(seed)
     positions = schedule.positions().to(device)
-    mask = expected_mask(positions, window, sinks, schedule.held())
+    # query column c of row b sees key column c': its window over the keys held when c is answered
+    mask = band_mask(positions, positions, window, sinks) & schedule.held().to(device)[None]
     try:
         weights = probe_weights(make_step, schedule, positions, dtype=dtype, device=device,
                                 gen=gen, layout=layout)

@@ -143,6 +143,12 @@ class Report:
         """The properties broken, in the order window, padding, values, error."""
         return [p for p in PROPERTIES if any(f.property == p for f in self.failures)]
 
+    def options(self) -> str:
+        """The setting's options that are on, for its text: ``", chunks <= 4, rewinds"``."""
+        return ((f", chunks <= {self.max_chunk}" if self.max_chunk else "")
+                + (", rewinds" if self.rewind else "")
+                + (", rows layout" if self.layout == "rows" else ""))
+
     def to_dict(self) -> dict:
         """Plain data (for ``--json``)."""
         return {"name": self.name, "ok": self.ok, "examples": self.examples,
@@ -155,10 +161,7 @@ class Report:
     def __str__(self) -> str:
         # the setting as keyword values (W=8): "window" alone is also a property's name
         what = (f"{self.name + ': ' if self.name else ''}W={self.window}, sinks={self.sinks}, "
-                f"batch={self.batch_size}{' ragged' if self.ragged else ''}"
-                + (f", chunks <= {self.max_chunk}" if self.max_chunk else "")
-                + (", rewinds" if self.rewind else "")
-                + (", rows layout" if self.layout == "rows" else ""))
+                f"batch={self.batch_size}{' ragged' if self.ragged else ''}{self.options()}")
         declined = f" ({self.skipped} declined by the cache)" if self.skipped else ""
         if self.ok:
             return (f"PASS {what}: {self.examples} schedules{declined}, every query saw its "
