@@ -78,9 +78,9 @@ class Token:
     q: torch.Tensor  # (B, Hq, 1, head_dim)
 
 
-def make_inputs(shape: Shape, window: int, seed: int = 123) -> tuple[Prefill, Token]:
-    """Seeded random prefill and decode token, created on ``shape.device``."""
-    gen = torch.Generator(device=shape.device).manual_seed(seed)
+def make_inputs(shape: Shape, window: int) -> tuple[Prefill, Token]:
+    """Seeded random prefill of ``window`` tokens and decode token, created on ``shape.device``."""
+    gen = torch.Generator(device=shape.device).manual_seed(123)
     B, H, D = shape.batch, shape.kv_heads, shape.head_dim
 
     def randn(*size: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ Two more parts use SmolLM2 with every layer a ring of ``window`` (a cache that c
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
 
 import numpy as np
@@ -57,6 +58,22 @@ def _call(impl: str, model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
     return model.generate(ids, **kwargs)
 
 
+def _timed_reps(calls: dict[str, Callable[[], torch.Tensor]], reps: int, device: torch.device,
+                log: Callable[[str], None], what: str) -> tuple[dict, dict]:
+    """Every call once per repetition, repetition r starting with call r mod n so machine noise
+    lands on all of them: ``({name: seconds of each repetition}, {name: its last output})``."""
+    names = list(calls)
+    seconds: dict[str, list[float]] = {name: [] for name in names}
+    outputs: dict[str, torch.Tensor] = {}
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            outputs[name], dt = timed_call(calls[name], device)
+            seconds[name].append(dt)
+        log(f"{what} rep {r + 1}/{reps}: " + ", ".join(
+            f"{name} {seconds[name][-1]:.2f} s" for name in names))
+    return seconds, outputs
+
+
 def _paired_ratios(key: str, numerator_s: list[float], denominator_s: list[float]) -> dict:
     """``key``: median of the per-repetition ratios ``numerator / denominator`` (seconds, so a
     tokens/s ratio of the denominator's path over the numerator's); ``key_min``, ``key_max``."""
@@ -83,26 +100,18 @@ def generate_rows(*, name: str = "gemma3", prompt_tokens: int, cases: tuple[tupl
         ids = prompt.expand(batch, -1).contiguous()  # (B, P)
         for impl in GENERATE_IMPLS:  # untimed, at this batch: first calls fault in memory
             _call(impl, model, ids, 2)
-        seconds: dict[str, list[float]] = {impl: [] for impl in GENERATE_IMPLS}
-        outputs: dict[str, torch.Tensor] = {}
-        for r in range(reps):
-            order = GENERATE_IMPLS[r % 3:] + GENERATE_IMPLS[:r % 3]
-            for impl in order:
-                outputs[impl], dt = timed_call(partial(_call, impl, model, ids, new_tokens), device)
-                seconds[impl].append(dt)
-            log(f"generate B={batch} N={new_tokens} rep {r + 1}/{reps}: " + ", ".join(
-                f"{impl} {seconds[impl][-1]:.1f} s" for impl in GENERATE_IMPLS))
-        for impl, s in seconds.items():
-            rows.append({
-                "bench": "generate", "impl": impl, "model": name,
-                "window": config.sliding_window, "batch": batch,
-                "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
-                "dtype": "float32", "device": device.type, "threads": torch.get_num_threads(),
-                "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-                "seconds": s, "reps": len(s),
-                "tokens_per_s": float(batch * new_tokens / np.median(s)),
-                "tokens_match_ring": bool(torch.equal(outputs[impl], outputs["ring"])),
-            })
+        seconds, outputs = _timed_reps(
+            {impl: partial(_call, impl, model, ids, new_tokens) for impl in GENERATE_IMPLS},
+            reps, device, log, f"generate B={batch} N={new_tokens}")
+        rows += [{"bench": "generate", "impl": impl, "model": name,
+                  "window": config.sliding_window, "batch": batch,
+                  "kv_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+                  "dtype": "float32", "device": device.type, "threads": torch.get_num_threads(),
+                  "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+                  "seconds": s, "reps": len(s),
+                  "tokens_per_s": float(batch * new_tokens / np.median(s)),
+                  "tokens_match_ring": bool(torch.equal(outputs[impl], outputs["ring"]))}
+                 for impl, s in seconds.items()]
     return rows
 
 
@@ -168,21 +177,13 @@ def compiled_rows(*, name: str = "smollm2", window: int = 256, prompt_tokens: in
     if not hf.RingCache(model, window=window).is_compileable:
         raise ValueError(f"RingCache({name}, window={window}) is not compileable")
 
-    def timed(way: str) -> tuple[torch.Tensor, float]:
-        return timed_call(partial(hf.generate, model, ids, window=window, **kwargs[way]), device)
-
-    timed("eager")  # untimed: faults the weights in
+    calls = {way: partial(hf.generate, model, ids, window=window, **kwargs[way])
+             for way in ("eager", "inductor")}
+    calls["eager"]()  # untimed: faults the weights in
     graphs_before = _graphs_compiled()
-    _, compile_s = timed("inductor")
+    _, compile_s = timed_call(calls["inductor"], device)
     graphs_compiled = _graphs_compiled() - graphs_before
-    seconds: dict[str, list[float]] = {"eager": [], "inductor": []}
-    outputs = {}
-    for r in range(reps):
-        for way in (("eager", "inductor") if r % 2 == 0 else ("inductor", "eager")):
-            outputs[way], dt = timed(way)
-            seconds[way].append(dt)
-        log(f"generate_compiled rep {r + 1}/{reps}: eager {seconds['eager'][-1]:.2f} s, "
-            f"inductor {seconds['inductor'][-1]:.2f} s")
+    seconds, outputs = _timed_reps(calls, reps, device, log, "generate_compiled")
     recompiled = _graphs_compiled() - graphs_before - graphs_compiled
     same = bool(torch.equal(outputs["eager"], outputs["inductor"]))
     return [{"bench": "generate_compiled", "impl": f"ring_{way}", "model": name,

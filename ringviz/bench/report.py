@@ -15,11 +15,10 @@ from ringviz.bench.conform import conform_figures
 from ringviz.bench.generate import compiled_figures, generate_figures, generate_memory_figures
 
 
-def _median(rows: Sequence[dict], bench: str, impl: str, window: int,
-            stat: str = "median_us") -> float | None:
+def _median(rows: Sequence[dict], bench: str, impl: str, window: int) -> float | None:
     for r in rows:
         if r["bench"] == bench and r["impl"] == impl and r["window"] == window:
-            return r.get(stat)  # None for a row that was skipped
+            return r.get("median_us")  # None for a row that was skipped
     return None
 
 
@@ -49,14 +48,9 @@ def _ratio_figures(rows: Sequence[dict], bench: str, base: str, impls: tuple[str
 
 
 def _decode_figures(rows: Sequence[dict]) -> dict:
-    """Per batch size B and window W: ring (and the eager floor, ``slot_copies``) over attention
-    alone, naive_cat over ring.
-
-    Its spread, ``..._p10`` and ``..._p90``: the 10th and 90th percentiles of the ratios of
-    the two impls' samples in the same repetition block (both timed within a block, so a burst
-    of load hits the pair); for rows without samples (older runs), the ratio of the two p10s
-    and of the two p90s. mlx-lm's step over MLX's attention alone, and over the ring, likewise.
-    """
+    """Per batch size B and window W: naive_cat over ring; ring (and the eager floor,
+    ``slot_copies``) over attention alone, mlx-lm's step over MLX's attention alone and over the
+    ring, each with its spread (:func:`_paired`)."""
     out = {}
     decode = [r for r in rows if r["bench"] == "decode_step"]
     for b in sorted({r["batch"] for r in decode}):
@@ -73,8 +67,10 @@ def _decode_figures(rows: Sequence[dict]) -> dict:
 
 
 def _paired(rows: Sequence[dict], num: str, den: str, window: int, key: str) -> dict:
-    """``key``: median of ``num`` over median of ``den``; ``key_p10``/``key_p90``: the spread
-    of their block-paired sample ratios (or of the percentile ratios, without samples)."""
+    """``key``: median of ``num`` over median of ``den``. ``key_p10``/``key_p90``: the 10th and
+    90th percentiles of the ratios of their samples in the same repetition block (timed within
+    a block, a burst of load hits both); for rows without samples, the ratio of their p10s and
+    of their p90s."""
     a = next((r for r in rows if r["impl"] == num and r["window"] == window), None)
     b = next((r for r in rows if r["impl"] == den and r["window"] == window), None)
     if not a or not b or "median_us" not in a or "median_us" not in b:
