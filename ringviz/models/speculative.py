@@ -92,11 +92,8 @@ def lookup_draft(seq: list[int], k: int, ngram: int = 2) -> list[int]:
     [3, 3]
     """
     tail = seq[-ngram:]
-    follow: list[int] = []
-    for i in range(len(seq) - ngram - 1, -1, -1):
-        if seq[i:i + ngram] == tail:
-            follow = seq[i + ngram:i + ngram + k]
-            break
+    at = next((i for i in range(len(seq) - ngram - 1, -1, -1) if seq[i:i + ngram] == tail), None)
+    follow = [] if at is None else seq[at + ngram:at + ngram + k]
     return (follow + [seq[-1]] * k)[:k]
 
 
@@ -125,9 +122,7 @@ def speculative_generate(runner: DraftRunner, prompt: torch.Tensor, new_tokens: 
         chunk = torch.tensor([[nxt, *guess]], device=device)
         out = runner.verify(chunk, torch.arange(n, n + k + 1, device=device)[None])[0]
         pred = out.argmax(-1).tolist()  # the target's token after each chunk position
-        a = 0
-        while a < k and guess[a] == pred[a]:
-            a += 1
+        a = next((i for i in range(k) if guess[i] != pred[i]), k)  # drafts accepted
         runner.commit(torch.tensor([a + 1], device=device))
         seq += [nxt, *guess[:a]]
         logits.append(out[:a + 1])
