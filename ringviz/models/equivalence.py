@@ -2,7 +2,7 @@
 
 ``python -m ringviz equivalence --model smollm2 --window 32 --prompt-tokens 48 --new-tokens 64
 --dtype float64 --json`` prefills a prompt of the shipped text, decodes the rest one teacher-forced
-token at a time through ``RingKVCache`` (drive.py), and compares every logit with one full forward
+token at a time through ``RingRunner`` (drive.py), and compares every logit with one full forward
 (reference.py). With ``batch > 1`` the rows start at different places in the text and have
 different prompt lengths (a ragged, left-padded batch); each row is compared with its own
 single-sequence reference.
