@@ -1,28 +1,23 @@
 """Benchmarks: the ring against copying windows, Hugging Face's sliding layers and the attention
-bound, plus memory over a long decode and a real model's tokens per second (chapter 9).
+bound, plus memory over a long decode and real models' tokens per second (chapter 9).
 
 ``python -m ringviz bench [--quick] [--device cpu|cuda] [--json]`` calls :func:`run_bench`; a
-chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``bench`` field):
+chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``bench`` field;
+which module measures each: ``ringviz/bench/README.md``):
 
 * ``update``: one decode step's cache write (one token's K and V into a full window of W).
-* ``decode_step``: that write plus attention of one query over the window (beside it, where
-  mlx-lm is installed, its ``RotatingKVCache`` step on MLX's CPU backend: ``mlx_peer.py``).
-* ``decode_profile``: where a decode step's time goes, stage by stage, for the masked step and
-  the full ring's unmasked one (``profile.py``).
+* ``decode_step``: that write plus one query's attention over the window (beside it, where
+  mlx-lm is installed, its ``RotatingKVCache`` step on MLX's CPU backend).
+* ``decode_profile``: a decode step's time stage by stage, masked and unmasked.
 * ``memory``: cache bytes and process RSS at checkpoints of a long decode (ring vs growing).
 * ``model``: Gemma-3-270M decode tokens/s, ring vs Hugging Face's default cache.
 * ``sinks_update`` / ``sinks_decode``: attention sinks, the ring's O(S) sink rotation against
-  StreamingLLM's re-rotation of the whole cache and a ``[sinks | ring]`` concat (``sinks.py``).
-* ``generate``: Gemma-3-270M end-to-end ``generate()`` tokens/s, ``ringviz.hf.generate`` vs
-  Hugging Face's default and static caches.
-* ``generate_compiled``: SmolLM2 (every layer a ring) ``ringviz.hf.generate`` tokens/s, eager vs
-  its decode step compiled by inductor.
+  StreamingLLM's re-rotation of the whole cache and a ``[sinks | ring]`` concat.
+* ``generate``: Gemma-3-270M ``generate()`` tokens/s, ring vs Hugging Face's caches.
+* ``generate_compiled``: SmolLM2 (every layer a ring) ``generate()``, eager vs inductor.
 * ``generate_memory``: SmolLM2 peak RSS and cache bytes after 20 and 2,000 new tokens, ring vs
   Hugging Face's default cache (fresh processes, CPU).
-* ``conform``: seconds of one ``ringviz.conformance.check(examples=100)`` on W = 6 caches
-  (``conform.py``; target under 30 s on one thread).
-
-What each module holds: ``ringviz/bench/README.md``.
+* ``conform``: seconds of one ``ringviz.conformance.check(examples=100)`` on W = 6 caches.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ import torch
 
 from ringviz.bench.harness import in_fresh_process, timed_call
 from ringviz.bench.memory import _reset_peak, _status_bytes
+from ringviz.bench.model import load_with_prompt
 
 GENERATE_IMPLS = ("ring", "hf_default", "hf_static")
 COMPILED_IMPLS = ("ring_eager", "ring_inductor")
@@ -60,8 +61,8 @@ def _call(impl: str, model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
 
 def _timed_reps(calls: dict[str, Callable[[], torch.Tensor]], reps: int, device: torch.device,
                 log: Callable[[str], None], what: str) -> tuple[dict, dict]:
-    """Every call once per repetition, repetition r starting with call r mod n so machine noise
-    lands on all of them: ``({name: seconds of each repetition}, {name: its last output})``."""
+    """Every call once per repetition, in a rotated order: ``({name: seconds of each
+    repetition}, {name: its last output})``."""
     names = list(calls)
     seconds: dict[str, list[float]] = {name: [] for name in names}
     outputs: dict[str, torch.Tensor] = {}
@@ -86,14 +87,10 @@ def _paired_ratios(key: str, numerator_s: list[float], denominator_s: list[float
 def generate_rows(*, name: str = "gemma3", prompt_tokens: int, cases: tuple[tuple[int, int], ...],
                   reps: int, device: torch.device, log=print) -> list[dict]:
     """``bench="generate"`` rows: one per (impl, batch, new_tokens), seconds of each repetition."""
-    from ringviz.models.load import load_model
-    from ringviz.models.text import eval_tokens
-
     if reps < 1 or prompt_tokens < 1 or any(b < 1 or n < 2 for b, n in cases):
         raise ValueError(f"need reps, prompt_tokens, batch >= 1 and new_tokens >= 2; got "
                          f"{reps}, {prompt_tokens}, {cases}")
-    model, tokenizer = load_model(name, device=device)
-    prompt = eval_tokens(tokenizer, prompt_tokens, device=device)
+    model, prompt = load_with_prompt(name, prompt_tokens, device)
     config = model.config
     rows = []
     for batch, new_tokens in cases:
@@ -163,14 +160,12 @@ def compiled_rows(*, name: str = "smollm2", window: int = 256, prompt_tokens: in
     repetitions then alternate eager and compiled, and must compile no new graph.
     """
     from ringviz import hf
-    from ringviz.models.load import load_model
-    from ringviz.models.text import eval_tokens
 
     if reps < 1 or prompt_tokens < 1 or new_tokens < 2:
         raise ValueError(f"need reps, prompt_tokens >= 1 and new_tokens >= 2; got {reps}, "
                          f"{prompt_tokens}, {new_tokens}")
-    model, tokenizer = load_model(name, device=device)
-    ids = eval_tokens(tokenizer, prompt_tokens, device=device)[None]  # (1, P)
+    model, prompt = load_with_prompt(name, prompt_tokens, device)
+    ids = prompt[None]  # (1, P)
     kwargs = {"eager": _greedy(ids, new_tokens),
               "inductor": {**_greedy(ids, new_tokens), "disable_compile": False,
                            "compile_config": inductor_config(device)}}
@@ -214,12 +209,10 @@ def memory_worker(impl: str, name: str, window: int, prompt_tokens: int, new_tok
     """One generate in this (fresh) process: peak RSS growth over the call, cache bytes after."""
     from ringviz import hf
     from ringviz.models.chat import cache_bytes
-    from ringviz.models.load import load_model
-    from ringviz.models.text import eval_tokens
 
     torch.set_num_threads(threads)
-    model, tokenizer = load_model(name)
-    ids = eval_tokens(tokenizer, prompt_tokens)[None]  # (1, P)
+    model, prompt = load_with_prompt(name, prompt_tokens)
+    ids = prompt[None]  # (1, P)
 
     def run(n: int):
         kwargs = {**_greedy(ids, n), "return_dict_in_generate": True}

@@ -18,6 +18,16 @@ import torch
 from ringviz.bench.harness import spread, timed_call
 
 
+def load_with_prompt(name: str, prompt_tokens: int, device: torch.device | None = None):
+    """``(model, ids)``: ``name`` loaded onto ``device``, and its first ``prompt_tokens`` tokens
+    of the evaluation text ``(P,)``."""
+    from ringviz.models.load import load_model
+    from ringviz.models.text import eval_tokens
+
+    model, tokenizer = load_model(name, device=device)
+    return model, eval_tokens(tokenizer, prompt_tokens, device=device)
+
+
 def _hf_decode(model, ids: torch.Tensor):
     """Hugging Face's path: a prefill creating its default cache; a step fn and a bytes fn."""
     from ringviz.models.chat import cache_bytes
@@ -51,14 +61,12 @@ def model_rows(*, name: str = "gemma3", prompt_tokens: int, new_tokens: int,
                device: torch.device) -> list[dict]:
     """Two ``bench="model"`` rows (impl ``ring`` and ``hf_default``): decode tokens per second."""
     from ringviz.models.drive import RingRunner
-    from ringviz.models.load import load_model
-    from ringviz.models.text import eval_tokens
 
     if prompt_tokens < 1 or new_tokens < 2:
         raise ValueError(f"need prompt_tokens >= 1 and new_tokens >= 2, got "
                          f"{prompt_tokens}, {new_tokens}")
-    model, tokenizer = load_model(name, device=device)
-    ids = eval_tokens(tokenizer, prompt_tokens, device=device)[None]  # (1, P)
+    model, prompt = load_with_prompt(name, prompt_tokens, device)
+    ids = prompt[None]  # (1, P)
     runner = RingRunner(model, batch_size=1, window=None, length=prompt_tokens + new_tokens)
     paths = {"ring": _ring_decode(runner, ids), "hf_default": _hf_decode(model, ids)}
     tokens = {impl: [int(path[0].argmax(-1))] for impl, path in paths.items()}
