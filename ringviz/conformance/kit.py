@@ -99,20 +99,12 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
           layout: str = "padded") -> Report:
     """Check a sliding-window cache on ``examples`` schedules; a :class:`Report`, never a raise.
 
-    ``make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype, device)`` builds a
-    fresh cache and returns ``step(q, k, v, positions) -> out`` (shapes in
-    :mod:`ringviz.conformance`); ``dtype`` and ``device`` are this check's, passed when
-    ``make_step`` takes them (a make_step of the four shapes alone still works:
-    :mod:`ringviz.conformance.seam`). A real query at position ``p`` must see exactly the keys
-    ``max(0, p - window + 1) .. p`` and ``0 .. sinks - 1`` of its own row, and a padding query
-    must output finite numbers. ``max_chunk`` caps the chunk sizes (1: decode steps only);
-    ``progress(n)`` is called after each schedule run.
-
-    ``rewind=True`` also draws schedules that rewind (:class:`~ringviz.conformance.Rewind`):
-    the step must have a method ``rewind(n)``, "forget the newest n tokens of every row"
-    (TypeError, before any schedule, if it has none); after it a query sees the keys fed
-    since at the forgotten positions, never a forgotten one. ``layout="rows"`` hands each
-    chunk over as each row's real tokens, no padding (shapes in :mod:`ringviz.conformance`).
+    ``make_step``, and the contract its cache is held to: :mod:`ringviz.conformance`.
+    ``max_chunk`` caps the chunk sizes (1: decode steps only); ``progress(n)`` is called after
+    each schedule run. ``rewind=True`` also draws schedules that rewind
+    (:class:`~ringviz.conformance.Rewind`); the step must have a method ``rewind(n)``
+    (TypeError, before any schedule, if it has none). ``layout="rows"`` hands each chunk over
+    as each row's real tokens, no padding.
 
     >>> from ringviz.conformance.adapters import ringviz_ring
     >>> check(ringviz_ring(4), window=4, examples=10).ok

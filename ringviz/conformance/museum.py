@@ -21,10 +21,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from ringviz import RingKVCache, apply_rope, band_mask
+from ringviz import apply_rope, band_mask
 from ringviz.cache import MakeStep, Step
 from ringviz.conformance.adapters import (
     HfStep,
@@ -34,7 +35,7 @@ from ringviz.conformance.adapters import (
     hf_dynamic_sliding,
 )
 from ringviz.conformance.kit import check
-from ringviz.conformance.pitfalls import attend
+from ringviz.conformance.pitfalls import _on_ring, attend
 from ringviz.conformance.probe import Unsupported
 from ringviz.conformance.report import Report
 from ringviz.conformance.seam import StepSpec, prebuilt
@@ -91,8 +92,7 @@ class Result:
 
     def row(self) -> dict[str, str]:
         """One line of the museum's table."""
-        f = next(f for f in self.bug.failures if f.property == self.exhibit.expect) \
-            if self.caught else None
+        f = next((f for f in self.bug.failures if f.property == self.exhibit.expect), None)
         return {"project": self.exhibit.project,
                 "bug": f"[{self.exhibit.report}]({self.exhibit.url})",
                 "caught": f.property if f else "no",
@@ -111,6 +111,11 @@ def run(exhibit: Exhibit, examples: int | None = None) -> Result:
     upstream = None if exhibit.upstream_fix is None else exhibit.check(exhibit.upstream_fix,
                                                                          examples)
     return Result(exhibit, bug, fix, upstream, time.perf_counter() - t0)
+
+
+def _per_window(build: Callable[[int, StepSpec], Step]) -> Callable[[int], MakeStep]:
+    """``window -> make_step`` from ``build(window, spec) -> step``."""
+    return lambda window: prebuilt(partial(build, window))
 
 
 def _visible_all(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -160,23 +165,20 @@ def _hf_sliding_window_cache(update) -> Callable[[int], MakeStep]:
     """A Mistral layer over ``SlidingWindowCache`` (one row): the update, then the 4D mask of
     ``_prepare_4d_causal_attention_mask_with_cache_position`` (a sliding cache's mask hides only
     the slots past ``cache_position``), then softmax attention."""
-    def factory(window: int) -> MakeStep:
-        def build(s: StepSpec) -> Step:
-            shape = (s.batch_size, s.num_kv_heads, window, s.head_dim)
-            k_cache = torch.zeros(shape, dtype=s.dtype, device=s.device)
-            v_cache = torch.zeros_like(k_cache)
+    def build(window: int, s: StepSpec) -> Step:
+        shape = (s.batch_size, s.num_kv_heads, window, s.head_dim)
+        k_cache = torch.zeros(shape, dtype=s.dtype, device=s.device)
+        v_cache = torch.zeros_like(k_cache)
 
-            def step(q, k, v, positions):
-                cache_position = positions[0]
-                keys, values = update(k_cache, v_cache, k, v, cache_position, window)
-                hidden = torch.arange(window, device=q.device) > cache_position.reshape(-1, 1)
-                return attend(q, keys, values, (~hidden)[None].expand(q.shape[0], -1, -1))
+        def step(q, k, v, positions):
+            cache_position = positions[0]
+            keys, values = update(k_cache, v_cache, k, v, cache_position, window)
+            hidden = torch.arange(window, device=q.device) > cache_position.reshape(-1, 1)
+            return attend(q, keys, values, (~hidden)[None].expand(q.shape[0], -1, -1))
 
-            return step
+        return step
 
-        return prebuilt(build)
-
-    return factory
+    return _per_window(build)
 
 
 # ------------------------------------------------------------------ LLMs-from-scratch #1008
@@ -339,23 +341,20 @@ def _mlx_windowed_kv(attention_mask: Callable | None) -> Callable[[int], MakeSte
     (``create_attention_mask(h, cache, window_size=W, return_array=True)``): the mask from
     ``attention_mask(N, offset, return_array, window_size)`` (None: the installed mlx-lm's),
     built before ``update_and_fetch``."""
-    def factory(window: int) -> MakeStep:
-        def build(s: StepSpec) -> Step:
-            from mlx_lm.models.cache import KVCache, create_attention_mask
+    def build(window: int, s: StepSpec) -> Step:
+        from mlx_lm.models.cache import KVCache, create_attention_mask
 
-            cache = KVCache()
-            make_mask = attention_mask or create_attention_mask
+        cache = KVCache()
+        make_mask = attention_mask or create_attention_mask
 
-            def step(q, k, v, positions):
-                mask = make_mask(q.shape[2], cache.offset, True, window)
-                keys, values = cache.update_and_fetch(_to_mx(k), _to_mx(v))
-                return _mlx_sdpa(q, keys, values, mask)
+        def step(q, k, v, positions):
+            mask = make_mask(q.shape[2], cache.offset, True, window)
+            keys, values = cache.update_and_fetch(_to_mx(k), _to_mx(v))
+            return _mlx_sdpa(q, keys, values, mask)
 
-            return step
+        return step
 
-        return prebuilt(build)
-
-    return factory
+    return _per_window(build)
 
 
 def merge_031(cls, caches):
@@ -536,20 +535,14 @@ def paged_blocks(window: int, block_size: int = 2) -> MakeStep:
 def rope_at_read(window: int) -> MakeStep:
     """Keys stored before RoPE (the kit's keys turned back by their positions) in a ring, and
     turned by the positions their slots hold each time they are read, as StreamingLLM does."""
-    def build(s: StepSpec) -> Step:
-        ring = RingKVCache(s.batch_size, s.num_kv_heads, window, s.head_dim, dtype=s.dtype,
-                           device=s.device)
+    def step(ring, q, k, v, positions):
+        raw = apply_rope(k, -positions)  # what the model had before it turned the keys
+        keys, values, key_pos = ring.keys_with_chunk(raw, v, positions)
+        keys = apply_rope(keys, key_pos)  # turned at read
+        ring.write(raw, v, positions)
+        return attend(q, keys, values, band_mask(positions, key_pos, window))
 
-        def step(q, k, v, positions):
-            raw = apply_rope(k, -positions)  # what the model had before it turned the keys
-            keys, values, key_pos = ring.keys_with_chunk(raw, v, positions)
-            keys = apply_rope(keys, key_pos)  # turned at read
-            ring.write(raw, v, positions)
-            return attend(q, keys, values, band_mask(positions, key_pos, window))
-
-        return step
-
-    return prebuilt(build)
+    return _on_ring(window, step)
 
 
 @dataclass(frozen=True)
@@ -795,15 +788,12 @@ class _VlmSliceTrim(MlxStep):
 def _mlx_rewinding(step_cls: type) -> Callable[[int], MakeStep]:
     """mlx-lm's ``RotatingKVCache(W)`` driven as its models drive it (see
     :func:`~ringviz.conformance.adapters.mlx_rotating`), rewound by ``step_cls.rewind``."""
-    def factory(window: int) -> MakeStep:
-        def build(s: StepSpec) -> Step:
-            from mlx_lm.models.cache import RotatingKVCache
+    def build(window: int, s: StepSpec) -> Step:
+        from mlx_lm.models.cache import RotatingKVCache
 
-            return step_cls(RotatingKVCache(max_size=window), None)
+        return step_cls(RotatingKVCache(max_size=window), None)
 
-        return prebuilt(build)
-
-    return factory
+    return _per_window(build)
 
 
 _VLM = "https://github.com/Blaizzy/mlx-vlm"
@@ -878,16 +868,13 @@ class _AssistedStep(HfStep):
 def _hf_assisted(layer_cls: Callable | None) -> Callable[[int], MakeStep]:
     """:class:`_AssistedStep` over ``layer_cls`` (None: the installed
     ``DynamicSlidingWindowLayer``)."""
-    def factory(window: int) -> MakeStep:
-        def build(s: StepSpec) -> Step:
-            from transformers.cache_utils import DynamicSlidingWindowLayer
+    def build(window: int, s: StepSpec) -> Step:
+        from transformers.cache_utils import DynamicSlidingWindowLayer
 
-            cls = layer_cls() if layer_cls is not None else DynamicSlidingWindowLayer
-            return _AssistedStep(cls(sliding_window=window), window, s)
+        cls = layer_cls() if layer_cls is not None else DynamicSlidingWindowLayer
+        return _AssistedStep(cls(sliding_window=window), window, s)
 
-        return prebuilt(build)
-
-    return factory
+    return _per_window(build)
 
 
 EXHIBITS |= {e.name: e for e in [

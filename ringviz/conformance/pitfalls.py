@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 
@@ -60,6 +61,11 @@ def _ring(s: StepSpec, window: int, **kw) -> RingKVCache:
                        device=s.device, **kw)
 
 
+def _on_ring(window: int, step: Callable[..., torch.Tensor], **ring_kw) -> MakeStep:
+    """A make_step whose step is ``step(ring, q, k, v, positions)`` on a fresh ring."""
+    return prebuilt(lambda s: partial(step, _ring(s, window, **ring_kw)))
+
+
 def off_by_one(window: int) -> MakeStep:
     """A ring of ``window - 1`` slots: the query at p loses key p - W + 1."""
     return prebuilt(lambda s: _ring(s, window - 1).step)
@@ -73,21 +79,16 @@ def no_stale_mask(window: int) -> MakeStep:
 def _custom_mask(window: int, rule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  **ring_kw) -> MakeStep:
     """The correct ring's storage and data path, with ``rule(q_pos, key_pos)`` as its mask."""
-    def build(s: StepSpec) -> Step:
-        ring = _ring(s, window, **ring_kw)
+    def step(ring, q, k, v, positions):
+        if k.shape[2] == 1:
+            ring.write(k, v, positions)
+            keys, values, key_pos = ring.k, ring.v, ring.positions
+        else:
+            keys, values, key_pos = ring.keys_with_chunk(k, v, positions)
+            ring.write(k, v, positions)
+        return attend(q, keys, values, rule(positions, key_pos))
 
-        def step(q, k, v, positions):
-            if k.shape[2] == 1:
-                ring.write(k, v, positions)
-                keys, values, key_pos = ring.k, ring.v, ring.positions
-            else:
-                keys, values, key_pos = ring.keys_with_chunk(k, v, positions)
-                ring.write(k, v, positions)
-            return attend(q, keys, values, rule(positions, key_pos))
-
-        return step
-
-    return prebuilt(build)
+    return _on_ring(window, step, **ring_kw)
 
 
 def distance_rule(window: int) -> MakeStep:
@@ -109,53 +110,38 @@ def sinks_overwritten(window: int, sinks: int) -> MakeStep:
 def trim_chunk(window: int) -> MakeStep:
     """A chunk attends over ``[ring | chunk]`` cut to its newest W keys: the chunk's early
     queries lose keys their windows still hold."""
-    def build(s: StepSpec) -> Step:
-        ring = _ring(s, window)
+    def step(ring, q, k, v, positions):
+        keys, values, key_pos = ring.keys_with_chunk(k, v, positions)
+        ring.write(k, v, positions)
+        newest = positions.max(dim=1, keepdim=True).values  # (B, 1)
+        kept = torch.where(key_pos > newest - window, key_pos, -1)  # the last W only
+        return attend(q, keys, values, band_mask(positions, kept, window))
 
-        def step(q, k, v, positions):
-            keys, values, key_pos = ring.keys_with_chunk(k, v, positions)
-            ring.write(k, v, positions)
-            newest = positions.max(dim=1, keepdim=True).values  # (B, 1)
-            kept = torch.where(key_pos > newest - window, key_pos, -1)  # the last W only
-            return attend(q, keys, values, band_mask(positions, kept, window))
-
-        return step
-
-    return prebuilt(build)
+    return _on_ring(window, step)
 
 
 def temporal_mask(window: int) -> MakeStep:
     """Keys ``[ring | chunk]`` masked as if the ring's slot ``j`` held position ``p0 - W + j``
     (temporal order, the chunk starting at ``p0``), as stock masks assume; slots hold
     ``pos % W``."""
-    def build(s: StepSpec) -> Step:
-        ring = _ring(s, window)
+    def step(ring, q, k, v, positions):
+        keys, values, _ = ring.keys_with_chunk(k, v, positions)
+        ring.write(k, v, positions)
+        first = positions[:, :1]  # (B, 1)
+        assumed = first - window + torch.arange(window + q.shape[2], device=q.device)
+        return attend(q, keys, values, band_mask(positions, assumed, window))
 
-        def step(q, k, v, positions):
-            keys, values, _ = ring.keys_with_chunk(k, v, positions)
-            ring.write(k, v, positions)
-            first = positions[:, :1]  # (B, 1)
-            assumed = first - window + torch.arange(window + q.shape[2], device=q.device)
-            return attend(q, keys, values, band_mask(positions, assumed, window))
-
-        return step
-
-    return prebuilt(build)
+    return _on_ring(window, step)
 
 
 def chunk_first(window: int) -> MakeStep:
     """Write the whole chunk, then attend over the ring: a chunk overwrites keys its own early
     queries still need."""
-    def build(s: StepSpec) -> Step:
-        ring = _ring(s, window)
+    def step(ring, q, k, v, positions):
+        ring.write(k, v, positions)
+        return ring.attend(q, positions)
 
-        def step(q, k, v, positions):
-            ring.write(k, v, positions)
-            return ring.attend(q, positions)
-
-        return step
-
-    return prebuilt(build)
+    return _on_ring(window, step)
 
 
 def padding_in_slots(window: int) -> MakeStep:
@@ -194,16 +180,11 @@ def _turned(window: int, turn: Callable[[torch.Tensor, torch.Tensor, torch.Tenso
                                            tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
             ) -> MakeStep:
     """The correct ring fed ``turn(q, k, positions) -> (q, k, positions)``: RoPE gone wrong."""
-    def build(s: StepSpec) -> Step:
-        ring = _ring(s, window)
+    def step(ring, q, k, v, positions):
+        q, k, positions = turn(q, k, positions)
+        return ring.step(q, k, v, positions)
 
-        def step(q, k, v, positions):
-            q, k, positions = turn(q, k, positions)
-            return ring.step(q, k, v, positions)
-
-        return step
-
-    return prebuilt(build)
+    return _on_ring(window, step)
 
 
 def slot_rope(window: int, rope: Rope = apply_rope) -> MakeStep:

@@ -202,7 +202,7 @@ def window_failure(weights: torch.Tensor, schedule: Schedule, positions: torch.T
         for b in range(B):
             if not off[b, c]:
                 continue
-            forgotten = forgotten_ids(schedule, b, c)
+            _, forgotten = _columns_of(schedule, b, c)
             for h in range(weights.shape[1]):
                 found = _compare(weights[b, h, c], b, c, positions, ids_expected[b, c], noise,
                                  forgotten)
@@ -210,20 +210,6 @@ def window_failure(weights: torch.Tensor, schedule: Schedule, positions: torch.T
                     return _window(schedule, positions, mask, weights[:, h], b, c, found,
                                    noise)
     return None
-
-
-def _fed_by(schedule: Schedule, b: int, c: int) -> tuple[list[int], list[bool]]:
-    """Row ``b``'s token ids fed by the end of column ``c``'s chunk, and whether the cache
-    still holds each when ``c``'s query is answered (False: a rewind forgot it)."""
-    end = schedule.bounds()[schedule.chunk_of(c)][1]
-    return schedule.token_ids()[b, :end].tolist(), schedule.held()[c, :end].tolist()
-
-
-def forgotten_ids(schedule: Schedule, b: int, c: int) -> set[int]:
-    """Ids of row ``b``'s keys that a rewind forgot before column ``c``'s query (some fed
-    again since, as the same keys)."""
-    ids, held = _fed_by(schedule, b, c)
-    return {i for i, h in zip(ids, held, strict=True) if not h}
 
 
 def _compare(w: torch.Tensor, b: int, c: int, positions: torch.Tensor, want: torch.Tensor,
@@ -248,12 +234,14 @@ def _compare(w: torch.Tensor, b: int, c: int, positions: torch.Tensor, want: tor
     return expected, sorted(seen), sorted(others), sorted(forgot)
 
 
-def _columns_of(schedule: Schedule, b: int, c: int) -> dict[int, int]:
-    """Row ``b``'s id -> the column that fed it as column ``c``'s query finds it: the held
-    one, else the newest fed before the end of ``c``'s chunk (a forgotten key)."""
-    ids, held = _fed_by(schedule, b, c)
-    cols = {i: j for j, (i, h) in enumerate(zip(ids, held, strict=True)) if not h}
-    return cols | {i: j for j, (i, h) in enumerate(zip(ids, held, strict=True)) if h}
+def _columns_of(schedule: Schedule, b: int, c: int) -> tuple[dict[int, int], set[int]]:
+    """Row ``b``'s id -> the column that fed it as column ``c``'s query finds it (the held one,
+    else the newest fed before the end of ``c``'s chunk), and the ids a rewind forgot before
+    that query (some fed again since, as the same keys)."""
+    end = schedule.bounds()[schedule.chunk_of(c)][1]
+    fed = list(zip(schedule.token_ids()[b, :end].tolist(), schedule.held()[c, :end].tolist()))
+    forgotten = {i: j for j, (i, h) in enumerate(fed) if not h}
+    return forgotten | {i: j for j, (i, h) in enumerate(fed) if h}, set(forgotten)
 
 
 def _window(schedule: Schedule, positions: torch.Tensor, mask: torch.Tensor,
@@ -265,7 +253,7 @@ def _window(schedule: Schedule, positions: torch.Tensor, mask: torch.Tensor,
     seen_grid, blank, foreign = [], [], []
     for qc in real:
         counts, none = read_seen(weights[b, qc], noise)
-        col_of = _columns_of(schedule, b, qc)
+        col_of, _ = _columns_of(schedule, b, qc)
         own = {col_of[j]: n for j, n in counts.items() if j in col_of}
         seen_grid.append([kc in own for kc in real])
         pads = sum(n for col, n in own.items() if positions[b, col] < 0)

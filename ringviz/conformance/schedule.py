@@ -33,8 +33,10 @@ schedule towards fewer, smaller chunks, smaller offsets, fewer and smaller rewin
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -155,18 +157,14 @@ class Schedule:
 
     def bounds(self) -> list[tuple[int, int]]:
         """Column range ``(start, stop)`` of each chunk."""
-        out, start = [], 0
-        for n in self.chunks:
-            out.append((start, start + n))
-            start += n
-        return out
+        stops = list(accumulate(self.chunks))
+        return list(zip([0] + stops[:-1], stops))
 
     def chunk_of(self, column: int) -> int:
         """Index of the chunk that holds ``column``."""
-        for i, (start, stop) in enumerate(self.bounds()):
-            if start <= column < stop:
-                return i
-        raise ValueError(f"column {column} is outside the schedule's {self.columns} columns")
+        if not 0 <= column < self.columns:
+            raise ValueError(f"column {column} is outside the schedule's {self.columns} columns")
+        return bisect_right(list(accumulate(self.chunks)), column)
 
 
 def default_limits(window: int, sinks: int) -> tuple[int, int]:

@@ -3,9 +3,8 @@
 ``make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype, device)`` builds a fresh
 cache and returns its ``step(q, k, v, positions) -> out`` (:data:`ringviz.cache.MakeStep`).
 ``dtype`` and ``device`` are those of the kit's tensors, so a cache that preallocates can build
-itself up front. They came later than the four shapes: :func:`make` passes them to a make_step
-that names them (or takes ``**kwargs``) and leaves them out for one written for the four shapes
-alone, which keeps working and learns them from its first step's inputs.
+itself up front: :func:`make` passes them to a make_step that names them (or takes
+``**kwargs``), and leaves them out for one written for the four shapes alone.
 
 :func:`prebuilt` writes a make_step that takes both: built up front when it is told the dtype
 and device (the kit tells it), at its first step otherwise (a caller that gives the shapes
