@@ -16,6 +16,7 @@ layout="rows")``): each row's real tokens, no padding.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -35,11 +36,7 @@ def ringviz_ring(window: int, sinks: int = 0) -> MakeStep:
     >>> step(torch.zeros(1, 2, 3, 8), x, x, torch.arange(3)[None]).shape
     torch.Size([1, 2, 3, 8])
     """
-    def build(s: StepSpec) -> Step:
-        return RingKVCache(s.batch_size, s.num_kv_heads, window, s.head_dim, sinks=sinks,
-                           dtype=s.dtype, device=s.device).step
-
-    return prebuilt(build)
+    return prebuilt(lambda s: s.ring(window, sinks=sinks).step)
 
 
 def _rewound_lengths(ring: RingKVCache, n: int) -> torch.Tensor:
@@ -51,22 +48,6 @@ def _rewound_lengths(ring: RingKVCache, n: int) -> torch.Tensor:
     except ValueError as err:
         raise Unsupported(f"rewind({n}): {err}") from err
     return lengths
-
-
-class DraftStep:
-    """A :class:`~ringviz.RingKVCache`'s ``step`` and ``rewind(n)`` (a speculative decoder's
-    rollback of rejected drafts)."""
-
-    def __init__(self, ring: RingKVCache) -> None:
-        self.ring = ring
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
-        return self.ring.step(q, k, v, positions)
-
-    def rewind(self, n: int) -> None:
-        """Forget the newest ``n`` tokens of every row (:meth:`RingKVCache.truncate`)."""
-        self.ring.truncate(_rewound_lengths(self.ring, n), check=False)
 
 
 def ringviz_draft(window: int, sinks: int = 0, drafts: int = 2) -> MakeStep:
@@ -83,12 +64,7 @@ def ringviz_draft(window: int, sinks: int = 0, drafts: int = 2) -> MakeStep:
     >>> step.ring.lengths.tolist()
     [3]
     """
-    def build(s: StepSpec) -> Step:
-        return DraftStep(RingKVCache(s.batch_size, s.num_kv_heads, window, s.head_dim,
-                                     sinks=sinks, capacity=window + drafts, dtype=s.dtype,
-                                     device=s.device))
-
-    return prebuilt(build)
+    return prebuilt(lambda s: DraftStep(s.ring(window, sinks=sinks, capacity=window + drafts)))
 
 
 class RowsStep:
@@ -109,13 +85,26 @@ class RowsStep:
             ring.truncate(kept, check=False)
 
 
+class DraftStep(RowsStep):
+    """A :class:`~ringviz.RingKVCache`'s ``step`` and ``rewind(n)`` (a speculative decoder's
+    rollback of rejected drafts)."""
+
+    def __init__(self, ring: RingKVCache) -> None:
+        super().__init__([ring])
+        self.ring = ring
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        return self.ring.step(q, k, v, positions)
+
+
 def ringviz_rows(window: int, sinks: int = 0, drafts: int = 0) -> MakeStep:
     """The rows layout (``check(..., layout="rows")``): per row, a ring of batch 1 that steps
     on that row's tokens, ``(Hq, n, D)`` and ``(n,)``; a row with no token yet (``n = 0``)
     is left alone. ``rewind`` as :func:`ringviz_draft`'s."""
     def build(s: StepSpec) -> Step:
-        return RowsStep([RingKVCache(1, s.num_kv_heads, window, s.head_dim, sinks=sinks,
-                                     capacity=window + drafts, dtype=s.dtype, device=s.device)
+        row = replace(s, batch_size=1)
+        return RowsStep([row.ring(window, sinks=sinks, capacity=window + drafts)
                          for _ in range(s.batch_size)])
 
     return prebuilt(build)

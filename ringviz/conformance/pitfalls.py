@@ -1,32 +1,17 @@
 """The book's catalogue of ring-cache bugs, each as a cache the kit can test (and must catch).
 
 Every entry is a small, plausible cache that one shipped bug or one chapter's trap turned
-wrong, built on :class:`ringviz.RingKVCache`'s storage. :data:`PITFALLS` names each with what it
-does wrong, where the book (or the field) met it, and the property :func:`check` must report.
-
-=================  ============================================================  ======
-name               what the code does wrong                                      breaks
-=================  ============================================================  ======
-off_by_one         ring (so window) sized W-1 (ch. 5; HF #37574)                 window
-no_stale_mask      spare slots (1.5 W), a mask that asks only "filled" (ch. 5)   window
-distance_rule      ``0 <= p - pos < W`` alone: empty slots visible (ch. 5)       window
-chunk_first        a chunk written before it attends (ch. 6; executorch #20346)  window
-trim_chunk         [ring | chunk] cut to W keys before it attends (rasbt #1008)  window
-temporal_mask      slots masked as if in temporal order (ch. 12; HF's masks)     window
-padding_in_slots   padding counted as tokens, taking slots (ch. 7; mlx-lm #439)  window
-shared_ring        the rows of a batch take turns in one ring (ch. 7)            window
-sinks_overwritten  sinks kept by the mask, not by the storage (mlx-lm #1631)     window
-slot_rope          keys turned again, to their slot ``pos % W`` (ch. 4)          values
-double_rope        keys the model turned, turned again by ``pos`` (ch. 4)        values
-one_base           local layers turned with the global RoPE base (ch. 4)         values
-batch_counter      one decode position for a left-padded batch (ch. 4)           window
-=================  ============================================================  ======
+wrong, built on :class:`ringviz.RingKVCache`'s storage; its docstring says where the book (or
+the field) met it. :data:`PITFALLS` names each with what it does wrong and the property
+:func:`check` must report (``python -m ringviz conform --list`` prints them).
 
 Each is a ring factory: ``factory(window)`` is a make_step (the seam,
 :data:`ringviz.cache.MakeStep`), so the kit checks it and ``RingRunner(model, ..., ring=factory)``
 or ``ringviz.hf.generate(model, ..., ring=factory)`` runs it inside a real model. The RoPE
-pitfalls take the rotation ``rope`` (``f(x, positions)``): :func:`ringviz.apply_rope` for the
-kit's keys, the model's own (:func:`ringviz.hf.rotary.model_sink_rope`) on a real model.
+pitfalls of chapter 4 (:func:`slot_rope`, :func:`double_rope`, :func:`one_base`,
+:func:`batch_counter`) take the rotation ``rope`` (``f(x, positions)``):
+:func:`ringviz.apply_rope` for the kit's keys, the model's own
+(:func:`ringviz.hf.rotary.model_sink_rope`) on a real model.
 """
 
 from __future__ import annotations
@@ -38,7 +23,7 @@ from functools import partial
 
 import torch
 
-from ringviz import RingKVCache, apply_rope, band_mask
+from ringviz import apply_rope, band_mask
 from ringviz.cache import MakeStep, Step
 from ringviz.conformance.seam import StepSpec, prebuilt
 from ringviz.rope import Rope
@@ -56,24 +41,21 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     return scores.softmax(dim=-1).nan_to_num(nan=0.0) @ values
 
 
-def _ring(s: StepSpec, window: int, **kw) -> RingKVCache:
-    return RingKVCache(s.batch_size, s.num_kv_heads, window, s.head_dim, dtype=s.dtype,
-                       device=s.device, **kw)
-
-
 def _on_ring(window: int, step: Callable[..., torch.Tensor], **ring_kw) -> MakeStep:
     """A make_step whose step is ``step(ring, q, k, v, positions)`` on a fresh ring."""
-    return prebuilt(lambda s: partial(step, _ring(s, window, **ring_kw)))
+    return prebuilt(lambda s: partial(step, s.ring(window, **ring_kw)))
 
 
 def off_by_one(window: int) -> MakeStep:
-    """A ring of ``window - 1`` slots: the query at p loses key p - W + 1."""
-    return prebuilt(lambda s: _ring(s, window - 1).step)
+    """A ring of ``window - 1`` slots: the query at p loses key p - W + 1 (chapter 5;
+    transformers #37574)."""
+    return prebuilt(lambda s: s.ring(window - 1).step)
 
 
 def no_stale_mask(window: int) -> MakeStep:
-    """Spare slots (1.5 W) and a mask of "filled and not future": keys older than W stay."""
-    return prebuilt(lambda s: _ring(s, window + window // 2).step)
+    """Spare slots (1.5 W) and a mask of "filled and not future": keys older than W stay
+    (chapter 5)."""
+    return prebuilt(lambda s: s.ring(window + window // 2).step)
 
 
 def _custom_mask(window: int, rule: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -92,7 +74,8 @@ def _custom_mask(window: int, rule: Callable[[torch.Tensor, torch.Tensor], torch
 
 
 def distance_rule(window: int) -> MakeStep:
-    """The seed's decode rule ``0 <= p - pos < W``: an empty slot (-1) is "near" early on."""
+    """The seed's decode rule ``0 <= p - pos < W``: an empty slot (-1) is "near" early on
+    (chapter 5)."""
     def rule(q_pos, key_pos):
         dist = q_pos[..., :, None] - key_pos[..., None, :]
         return (dist >= 0) & (dist < window) & (q_pos[..., :, None] >= 0)
@@ -102,14 +85,14 @@ def distance_rule(window: int) -> MakeStep:
 
 def sinks_overwritten(window: int, sinks: int) -> MakeStep:
     """The mask keeps positions ``< sinks`` visible, but they live in the ring like any other
-    token (``S + W`` slots, no sink slots), so later tokens overwrite them."""
+    token (``S + W`` slots, no sink slots), so later tokens overwrite them (mlx-lm #1631)."""
     return _custom_mask(window, lambda q, key: band_mask(q, key, window, sinks),
                         capacity=window + sinks)
 
 
 def trim_chunk(window: int) -> MakeStep:
     """A chunk attends over ``[ring | chunk]`` cut to its newest W keys: the chunk's early
-    queries lose keys their windows still hold."""
+    queries lose keys their windows still hold (LLMs-from-scratch #1008)."""
     def step(ring, q, k, v, positions):
         keys, values, key_pos = ring.keys_with_chunk(k, v, positions)
         ring.write(k, v, positions)
@@ -122,8 +105,8 @@ def trim_chunk(window: int) -> MakeStep:
 
 def temporal_mask(window: int) -> MakeStep:
     """Keys ``[ring | chunk]`` masked as if the ring's slot ``j`` held position ``p0 - W + j``
-    (temporal order, the chunk starting at ``p0``), as stock masks assume; slots hold
-    ``pos % W``."""
+    (temporal order, the chunk starting at ``p0``), as stock masks (transformers') assume;
+    slots hold ``pos % W`` (chapter 12)."""
     def step(ring, q, k, v, positions):
         keys, values, _ = ring.keys_with_chunk(k, v, positions)
         ring.write(k, v, positions)
@@ -136,7 +119,7 @@ def temporal_mask(window: int) -> MakeStep:
 
 def chunk_first(window: int) -> MakeStep:
     """Write the whole chunk, then attend over the ring: a chunk overwrites keys its own early
-    queries still need."""
+    queries still need (chapter 6; executorch #20346)."""
     def step(ring, q, k, v, positions):
         ring.write(k, v, positions)
         return ring.attend(q, positions)
@@ -145,9 +128,10 @@ def chunk_first(window: int) -> MakeStep:
 
 
 def padding_in_slots(window: int) -> MakeStep:
-    """Positions counted by column, padding included: pad tokens take slots and stay visible."""
+    """Positions counted by column, padding included: pad tokens take slots and stay visible
+    (chapter 7; mlx-lm #439)."""
     def build(s: StepSpec) -> Step:
-        ring = _ring(s, window)
+        ring = s.ring(window)
         seen = [0]
 
         def step(q, k, v, positions):
@@ -162,9 +146,10 @@ def padding_in_slots(window: int) -> MakeStep:
 
 
 def shared_ring(window: int) -> MakeStep:
-    """One ring (batch size 1) serves every row in turn, its checks off as in a hot loop."""
+    """One ring (batch size 1) serves every row in turn, its checks off as in a hot loop
+    (chapter 7)."""
     def build(s: StepSpec) -> Step:
-        ring = _ring(replace(s, batch_size=1), window)
+        ring = replace(s, batch_size=1).ring(window)
 
         def step(q, k, v, positions):
             return torch.cat([ring.step(q[b:b + 1], k[b:b + 1], v[b:b + 1],
@@ -214,7 +199,7 @@ def batch_counter(window: int, rope: Rope = apply_rope) -> MakeStep:
     every row's decode token takes the padded width (+1 per step), so a row with ``p`` padding
     tokens sits ``p`` positions too far: turned, stored and masked there."""
     def build(s: StepSpec) -> Step:
-        ring, columns = _ring(s, window), [0]
+        ring, columns = s.ring(window), [0]
 
         def step(q, k, v, pos):
             T, counted = pos.shape[1], columns[0]

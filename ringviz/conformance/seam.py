@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ringviz import RingKVCache
 from ringviz.cache import MakeStep, Step
 from ringviz.checks import check_int
 
@@ -40,6 +41,12 @@ class StepSpec:
         """The four shape keywords every make_step takes."""
         return {"batch_size": self.batch_size, "num_heads": self.num_heads,
                 "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
+
+    def ring(self, window: int, **kw) -> RingKVCache:
+        """A :class:`~ringviz.RingKVCache` of ``window`` for these keys (``kw``: sinks,
+        capacity)."""
+        return RingKVCache(self.batch_size, self.num_kv_heads, window, self.head_dim,
+                           dtype=self.dtype, device=self.device, **kw)
 
 
 def build_keywords(make_step: Callable[..., object]) -> tuple[str, ...]:
