@@ -228,30 +228,6 @@ def _mlx_forward(cache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _mlx_sdpa(q, keys, values, mask)
 
 
-def mlx_rotating(max_size: int, keep: int = 0, window_size: int | None = None) -> MakeStep:
-    """mlx-lm's ``RotatingKVCache(max_size, keep)`` as its models drive it.
-
-    Per forward, as ``mlx_lm.models.base``: ``mask = cache.make_mask(T, window_size=...)``
-    (before the update), ``keys, values = cache.update_and_fetch(k, v)``, then
-    ``mx.fast.scaled_dot_product_attention(q, keys, values, scale, mask)``. ``window_size=None``
-    is how a Llama built with ``--max-kv-size`` calls it (``RotatingKVCache(max_kv_size,
-    keep=4)`` in every layer); Gemma 3's sliding layers pass their window. Check it with
-    ``window=max_size - keep, sinks=keep``. It has no padding: ragged rows raise. (mlx makes
-    its arrays as the keys come, in their dtype: nothing to build up front.)
-
-    ``step.rewind(n)`` is how ``mlx_lm.generate.speculative_generate_step`` rejects drafts:
-    ``trim_prompt_cache([cache], n)``, whose count of tokens trimmed the decoder ignores (it
-    checks ``can_trim_prompt_cache`` once, before the first token). ``step.trimmed`` lists
-    each call's ``(n, trimmed)``.
-    """
-    def build(s: StepSpec) -> Step:
-        from mlx_lm.models.cache import RotatingKVCache
-
-        return MlxStep(RotatingKVCache(max_size=max_size, keep=keep), window_size)
-
-    return prebuilt(build)
-
-
 class MlxStep:
     """One mlx-lm cache driven as ``mlx_lm.models.base`` drives it, and rewound as
     ``mlx_lm``'s speculative decoder rewinds it."""
@@ -273,6 +249,31 @@ class MlxStep:
         from mlx_lm.models.cache import trim_prompt_cache
 
         self.trimmed.append((n, trim_prompt_cache([self.cache], n)))
+
+
+def mlx_rotating(max_size: int, keep: int = 0, window_size: int | None = None,
+                 step_cls: type[MlxStep] = MlxStep) -> MakeStep:
+    """mlx-lm's ``RotatingKVCache(max_size, keep)`` as its models drive it.
+
+    Per forward, as ``mlx_lm.models.base``: ``mask = cache.make_mask(T, window_size=...)``
+    (before the update), ``keys, values = cache.update_and_fetch(k, v)``, then
+    ``mx.fast.scaled_dot_product_attention(q, keys, values, scale, mask)``. ``window_size=None``
+    is how a Llama built with ``--max-kv-size`` calls it (``RotatingKVCache(max_kv_size,
+    keep=4)`` in every layer); Gemma 3's sliding layers pass their window. Check it with
+    ``window=max_size - keep, sinks=keep``. It has no padding: ragged rows raise. (mlx makes
+    its arrays as the keys come, in their dtype: nothing to build up front.)
+
+    ``step.rewind(n)`` is how ``mlx_lm.generate.speculative_generate_step`` rejects drafts:
+    ``trim_prompt_cache([cache], n)``, whose count of tokens trimmed the decoder ignores (it
+    checks ``can_trim_prompt_cache`` once, before the first token). ``step.trimmed`` lists
+    each call's ``(n, trimmed)``. ``step_cls``: an :class:`MlxStep` that rewinds otherwise.
+    """
+    def build(s: StepSpec) -> Step:
+        from mlx_lm.models.cache import RotatingKVCache
+
+        return step_cls(RotatingKVCache(max_size=max_size, keep=keep), window_size)
+
+    return prebuilt(build)
 
 
 def mlx_batch_rotating(max_size: int) -> MakeStep:

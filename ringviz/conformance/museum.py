@@ -33,6 +33,7 @@ from ringviz.conformance.adapters import (
     _mlx_sdpa,
     _to_mx,
     hf_dynamic_sliding,
+    mlx_rotating,
 )
 from ringviz.conformance.kit import check
 from ringviz.conformance.pitfalls import _on_ring, attend
@@ -785,17 +786,6 @@ class _VlmSliceTrim(MlxStep):
                 c.offset = prefix_len
 
 
-def _mlx_rewinding(step_cls: type) -> Callable[[int], MakeStep]:
-    """mlx-lm's ``RotatingKVCache(W)`` driven as its models drive it (see
-    :func:`~ringviz.conformance.adapters.mlx_rotating`), rewound by ``step_cls.rewind``."""
-    def build(window: int, s: StepSpec) -> Step:
-        from mlx_lm.models.cache import RotatingKVCache
-
-        return step_cls(RotatingKVCache(max_size=window), None)
-
-    return _per_window(build)
-
-
 _VLM = "https://github.com/Blaizzy/mlx-vlm"
 EXHIBITS |= {e.name: e for e in [
     Exhibit(
@@ -806,7 +796,7 @@ EXHIBITS |= {e.name: e for e in [
         "speculative_generate_step's rewind calls them (the same bug: mlx-swift-lm #424)",
         "PR #1427's rule (closed unmerged): fall back to target-only decoding when the ring can "
         "no longer be trimmed (here: the rewind declines the state)",
-        _mlx_rewinding(MlxStep), _mlx_rewinding(_TrimWhenSafe), "window",
+        mlx_rotating, partial(mlx_rotating, step_cls=_TrimWhenSafe), "window",
         dtype=torch.float32, rewind=True,
         listing=("adapters.py", "MlxStep.rewind")),
     Exhibit(
@@ -817,7 +807,8 @@ EXHIBITS |= {e.name: e for e in [
         "RotatingKVCache (mlx-vlm's copy differs only in how it saves its state)",
         "PR #1748: reuse a prefix only while the cache still holds its whole sequence (not yet "
         "wrapped), trimming through the cache's own trim(); else a cold prefill",
-        _mlx_rewinding(_VlmSliceTrim), _mlx_rewinding(_TrimWhenSafe), "window",
+        partial(mlx_rotating, step_cls=_VlmSliceTrim),
+        partial(mlx_rotating, step_cls=_TrimWhenSafe), "window",
         dtype=torch.float32, rewind=True,
         listing=("museum.py", "_VlmSliceTrim.rewind")),
 ]}
