@@ -1,13 +1,13 @@
 """Memory over a long decode: the ring stays flat, a growing cache climbs with every token.
 
 Each implementation runs in its own fresh Python process (:func:`worker`), so nothing that ran
-earlier in the caller shows up in its numbers. Inside the worker, after torch is
-imported and the inputs exist, the baseline RSS is read and the kernel's peak-RSS mark is reset
-to it (``/proc/self/clear_refs`` = 5; otherwise torch's import transient would hide any smaller
-peak). At checkpoints (log-spaced, plus ``window`` and the last step) the worker records the
-cache's own byte count, the current RSS (``VmRSS``) and the peak since the baseline
-(``VmHWM``), all from ``/proc/self/status`` (Linux). On CUDA it also reports torch's allocator
-counters (``memory_allocated`` / ``max_memory_allocated``), which are exact for device memory.
+earlier in the caller shows up in its numbers. Inside the worker, after torch is imported and
+the inputs exist, the baseline RSS is read and the kernel's peak-RSS mark is reset to it
+(``/proc/self/clear_refs`` = 5; otherwise torch's import transient would hide any smaller peak).
+At checkpoints (log-spaced, plus ``window`` and the last step) the worker records the cache's
+own byte count, the current RSS (``VmRSS``) and the peak since the baseline (``VmHWM``), all
+from ``/proc/self/status`` (Linux). On CUDA it also reports torch's allocator counters
+(``memory_allocated`` / ``max_memory_allocated``), which are exact for device memory.
 
 The growing cache is :class:`ringviz.reference.GrowingKVCache` (``torch.cat`` per token, as Hugging
 Face's ``DynamicLayer``): every step copies the whole cache, so its run is O(n^2) in time and is
