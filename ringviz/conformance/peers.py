@@ -24,11 +24,12 @@ from ringviz.conformance.schedule import Rewind
 
 @dataclass(frozen=True)
 class Peer:
-    """A named cache: ``build(window, sinks) -> make_step`` and what it takes."""
+    """A named cache: ``factory(window)`` (``factory(window, sinks)`` if it keeps sinks) and
+    what it takes."""
 
     name: str
     what: str
-    build: Callable[[int, int], MakeStep]
+    factory: Callable[..., MakeStep]
     library: str = "ringviz"  # the distribution whose version the check runs
     sinks: bool = False  # keeps attention sinks
     ragged: bool = True  # takes left-padded rows (checked as a ragged batch of 2)
@@ -39,21 +40,20 @@ class Peer:
     rewind: bool = False  # its step has rewind(n): checked with rewinds
     layout: str = "padded"  # how it takes a chunk: "padded" or "rows" (no padding)
 
+    def build(self, window: int, sinks: int = 0) -> MakeStep:
+        """The cache's ``make_step`` for ``window`` and ``sinks``."""
+        if self.sinks:
+            return self.factory(window, sinks)
+        if sinks:
+            raise ValueError(f"{self.name} keeps no attention sinks: use sinks=0, got {sinks}")
+        return self.factory(window)
+
     def version(self) -> str:
         """``library==version`` as installed (what the check ran)."""
         try:
             return f"{self.library}=={importlib.metadata.version(self.library)}"
         except importlib.metadata.PackageNotFoundError:
             return f"{self.library} (not installed)"
-
-
-def _no_sinks(name: str, build: Callable[[int], MakeStep]) -> Callable[[int, int], MakeStep]:
-    def with_sinks(window: int, sinks: int) -> MakeStep:
-        if sinks:
-            raise ValueError(f"{name} keeps no attention sinks: use sinks=0, got {sinks}")
-        return build(window)
-
-    return with_sinks
 
 
 _F32 = torch.float32  # mlx computes its float64 SDPA at float32 precision
@@ -63,19 +63,17 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
     Peer("ringviz_hf", "ringviz.hf.RingLayer as RingCache drives it", adapters.ringviz_hf,
          sinks=True, default_sinks=2),
     Peer("hf_dynamic_sliding", "transformers DynamicSlidingWindowLayer + masking_utils + sdpa",
-         _no_sinks("hf_dynamic_sliding", adapters.hf_dynamic_sliding), library="transformers"),
+         adapters.hf_dynamic_sliding, library="transformers"),
     Peer("hf_static_sliding", "transformers StaticSlidingWindowLayer + masking_utils + sdpa",
-         _no_sinks("hf_static_sliding", adapters.hf_static_sliding), library="transformers"),
+         adapters.hf_static_sliding, library="transformers"),
     Peer("mlx_rotating", "mlx-lm RotatingKVCache(W + S, keep=S), mask built before the update",
          lambda w, s: adapters.mlx_rotating(w + s, keep=s), library="mlx-lm", sinks=True,
          ragged=False, dtype=_F32, default_sinks=2),
     Peer("mlx_rotating_window", "mlx-lm RotatingKVCache(W) with make_mask(window_size=W), as "
-         "Gemma 3's sliding layers", _no_sinks(
-             "mlx_rotating_window", lambda w: adapters.mlx_rotating(w, window_size=w)),
+         "Gemma 3's sliding layers", lambda w: adapters.mlx_rotating(w, window_size=w),
          library="mlx-lm", ragged=False, dtype=_F32),
     Peer("mlx_batch_rotating", "mlx-lm BatchRotatingKVCache(W, left_padding)",
-         _no_sinks("mlx_batch_rotating", adapters.mlx_batch_rotating), library="mlx-lm",
-         dtype=_F32),
+         adapters.mlx_batch_rotating, library="mlx-lm", dtype=_F32),
     Peer("ringviz_draft", "ringviz.RingKVCache with 2 draft slots, rewound by truncate",
          adapters.ringviz_draft, sinks=True, default_sinks=2, rewind=True),
     Peer("ringviz_rows", "one ringviz.RingKVCache per row, each row's tokens only (a server)",
@@ -85,7 +83,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
          "trim_prompt_cache, as its speculative decoder does", lambda w, s: adapters.mlx_rotating(
              w + s, keep=s), library="mlx-lm", sinks=True, ragged=False, dtype=_F32,
          rewind=True),
-]} | {name: Peer(name, p.what, p.build, sinks=p.sinks > 0, ragged=p.ragged,
+]} | {name: Peer(name, p.what, p.factory, sinks=p.sinks > 0, ragged=p.ragged,
                  batch_size=p.batch_size, expect=p.breaks, default_sinks=p.sinks)
       for name, p in PITFALLS.items()}
 
@@ -105,10 +103,9 @@ def run(name: str, *, window: int = 6, sinks: int | None = None, examples: int =
     them."""
     peer = get(name)
     sinks = peer.default_sinks if sinks is None else sinks
-    if sinks and not peer.sinks:
-        raise ValueError(f"{name} keeps no attention sinks: use sinks=0, got {sinks}")
+    make_step = peer.build(window, sinks)
     batch = 2 if peer.ragged else peer.batch_size
-    return check(peer.build(window, sinks), window=window, sinks=sinks, batch_size=batch,
+    return check(make_step, window=window, sinks=sinks, batch_size=batch,
                  ragged=peer.ragged, examples=examples, seed=seed, dtype=peer.dtype,
                  max_chunk=max_chunk, name=name, progress=progress, rewind=peer.rewind,
                  layout=peer.layout)

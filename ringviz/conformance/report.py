@@ -18,13 +18,8 @@ A failure names the property it breaks:
   (``message`` holds the exception text and the innermost frames of its traceback); also a
   cache that answers the same schedule two ways.
 
-Each carries the shrunk ``schedule`` (chunk sizes), ``offsets`` (each row's left padding) and
-``rewinds`` (:class:`~ringviz.conformance.schedule.Rewind` s) that show it, and where:
-``row``, ``column`` (the query's index in its row: tokens fed before it, padding and re-fed
-tokens included), ``position`` and ``step`` (the chunk). A report lists every property
-broken, each with its own smallest schedule, and its text says what ``-1`` means where one
-appears, and when a check at float64 fails "values" alone by float32 rounding, that
-``dtype=torch.float32`` checks a cache at its own precision.
+Each carries the shrunk schedule that shows it and where (:class:`Failure`'s fields). A report
+lists every property broken, each with its own smallest schedule.
 """
 
 from __future__ import annotations
@@ -47,13 +42,14 @@ class Failure:
     """One property a cache breaks, with the smallest schedule hypothesis found that shows it."""
 
     property: str
-    schedule: list[int]
-    offsets: list[int]
+    schedule: list[int]  # chunk sizes
+    offsets: list[int]  # each row's left padding
     message: str
     step: int | None = None  # index of the chunk in ``schedule`` where it shows
     row: int | None = None
     position: int | None = None
-    column: int | None = None  # the query's index in its row, padding included
+    # the query's index in its row: tokens fed before it, padding and re-fed tokens included
+    column: int | None = None
     expected: list[int] | None = None
     seen: list[int] | None = None
     other_rows: list[tuple[int, int]] = field(default_factory=list)

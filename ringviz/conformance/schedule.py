@@ -113,11 +113,10 @@ class Schedule:
             if not 1 <= r.n <= real:
                 raise ValueError(f"{r}: every row must hold n >= 1 real tokens to forget; "
                                  f"the row that started last holds {max(real, 0)}")
-            if not r.same:
+            if r.same:
+                redo.update({index[c]: source[c] for c in seq[-r.n:]})
+            else:
                 redo.clear()
-            for c in seq[-r.n:]:
-                if r.same:
-                    redo[index[c]] = source[c]
             del seq[-r.n:]
         return _Trace(index, source, held)
 
