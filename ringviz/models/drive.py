@@ -34,16 +34,12 @@ class RingRunner:
     """One model's KV state for a batch of rows: a :class:`ringviz.hf.RingCache`, fed explicit
     positions (teacher forcing, ragged left-padded batches, chunked prefill).
 
-    ``length``: the positions the run may reach, ``0 .. length-1`` (it sizes the full
-    layers). ``sinks=S`` keeps each row's first ``S`` positions in every ring beside its window
-    (full-attention layers keep everything anyway). ``sink_convention="absolute"`` scores them
-    at their own positions; ``"cache"`` uses StreamingLLM's positions inside the cache,
-    the sink keys turned by the model's own rotary embedding
-    (:func:`ringviz.hf.rotary.model_sink_rope`: Gemma 3's local base, not the global one).
-    ``caches[i]`` is layer i's store: a :class:`RingKVCache` (ring) or a ``FullLayer``.
-    ``ring=factory`` puts another ring under every sliding layer (the seam,
-    :data:`ringviz.cache.MakeStep`: ``factory(window)`` is a make_step, e.g. a pitfall of
-    :mod:`ringviz.conformance.pitfalls`); its layers' ``caches`` entries are then None.
+    ``window``, ``sinks`` (with ``sink_convention``) and ``ring`` are the RingCache's: the
+    sliding layers' window, the first positions every ring keeps beside it, and another ring
+    under every sliding layer (the seam, e.g. a pitfall of :mod:`ringviz.conformance.pitfalls`).
+    ``length``: the positions the run may reach, ``0 .. length-1`` (it sizes the full layers).
+    ``caches[i]`` is layer i's store: a :class:`RingKVCache` (ring) or a ``FullLayer``; None
+    under another ring.
     """
 
     def __init__(self, model, batch_size: int, window: int | None, length: int, *,
