@@ -206,8 +206,7 @@ def schedules(*, window: int, sinks: int, batch_size: int, ragged: bool,
     With ``rewind``, a schedule of two chunks or more also rewinds, 1 to :data:`MAX_REWINDS`
     times after chunks drawn anywhere (before and after the wrap), each by ``n`` tokens: up
     to the longest chunk of :func:`default_limits`, leaning towards 1 to 3 (a few drafts), and
-    never more than the row that started last holds (:func:`fit_rewinds`). Without
-    ``rewind`` it draws what it always drew.
+    never more than the row that started last holds (:func:`fit_rewinds`).
     """
     max_tokens, default_chunk = default_limits(window, sinks)
     top = default_chunk if max_chunk is None else max_chunk
