@@ -128,15 +128,12 @@ def figures(rows: Sequence[dict]) -> dict:
             **conform_figures(rows)}
 
 
-def _as_ms(rows: Sequence[dict], bench: str) -> list[dict]:
-    return [{**r, "ms_per_token": r["median_us"] / 1e3} for r in rows
-            if r["bench"] == bench and "median_us" in r]
-
-
 def _plot_bench_latency(rows: Sequence[dict], bench: str, ylabel: str, title: str, ax=None):
     import ringviz.book as viz
 
-    ax = viz.plot_latency(_as_ms(rows, bench), group="impl", ax=ax)
+    ms = [{**r, "ms_per_token": r["median_us"] / 1e3} for r in rows
+          if r["bench"] == bench and "median_us" in r]
+    ax = viz.plot_latency(ms, group="impl", ax=ax)
     ax.set_yscale("log")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
