@@ -131,11 +131,14 @@ def _conversation(args: argparse.Namespace):
     from ringviz.models.load import load_model
 
     model, tokenizer = load_model(args.model)
-    # the convention asked for; by default StreamingLLM's where there are sinks
-    convention = args.sink_convention or ("cache" if args.sinks else "absolute")
     return Conversation(model, tokenizer, window=args.window, sinks=args.sinks,
-                        sink_convention=convention,
+                        sink_convention=_sink_convention(args),
                         stop=None if args.command == "generate" else Conversation.STOP)
+
+
+def _sink_convention(args: argparse.Namespace) -> str:
+    """The convention asked for; by default StreamingLLM's where there are sinks."""
+    return args.sink_convention or ("cache" if args.sinks else "absolute")
 
 
 def _cmd_generate(args: argparse.Namespace) -> dict:
