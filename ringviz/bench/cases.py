@@ -124,7 +124,8 @@ def _full_hf_layer(kind: str, window: int, pre: Prefill):
 
 def update_step(impl: str, shape: Shape, window: int, pre: Prefill,
                 tok: Token) -> Callable[[], object]:
-    """One decode step's cache write for ``impl``, on a cache already holding a full window."""
+    """One decode step's cache write for ``impl``, on a cache already holding a full
+    window."""
     if impl == "ring":
         ring, pos = _full_ring(shape, window, pre)
 
@@ -214,7 +215,8 @@ def capture_ring_step(ring: RingKVCache, pos: torch.Tensor, q: torch.Tensor, k: 
     return graph, out
 
 
-def ring_graph_step(shape: Shape, window: int, pre: Prefill, tok: Token) -> Callable[[], object]:
+def ring_graph_step(shape: Shape, window: int, pre: Prefill,
+                    tok: Token) -> Callable[[], object]:
     """The ring decode step captured once in a CUDA graph (:func:`capture_ring_step`); each
     call replays it, the next decode step of the same token."""
     ring, pos = _full_ring(shape, window, pre)

@@ -131,9 +131,11 @@ def spread(us: np.ndarray) -> dict:
             "p90_us": float(np.percentile(us, 90)), "reps": len(us)}
 
 
-def measure_interleaved(cases: Sequence[Case], *, reps: int, warmup: int, min_sample_s: float,
-                        device: torch.device) -> dict[tuple[str, int], Timing]:
-    """Time every case in the same rotated round-robin blocks; ``{(impl, window): Timing}``."""
+def measure_interleaved(cases: Sequence[Case], *, reps: int, warmup: int,
+                        min_sample_s: float, device: torch.device
+                        ) -> dict[tuple[str, int], Timing]:
+    """Time every case in the same rotated round-robin blocks:
+    ``{(impl, window): Timing}``."""
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
     keys = [c.key for c in cases]

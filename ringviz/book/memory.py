@@ -117,13 +117,15 @@ def full_cache_bytes(cfg: KVConfig, seq_len: int, *, batch_size: int = 1) -> int
 
 
 def ring_cache_bytes(cfg: KVConfig, seq_len: int, *, batch_size: int = 1) -> int:
-    """Bytes when each sliding layer owns a ring of ``cfg.window`` slots and full layers grow.
+    """Bytes when each sliding layer owns a ring of ``cfg.window`` slots and full layers
+    grow.
 
-    The ring is allocated whole up front, so its share does not depend on ``seq_len``; only the
-    full-attention layers still hold all ``seq_len`` tokens.
+    The ring is allocated whole up front, so its share does not depend on ``seq_len``; only
+    the full-attention layers still hold all ``seq_len`` tokens.
 
     >>> gemma = MODELS["Gemma-3-270M"]
-    >>> ring_cache_bytes(gemma, 10_000) == (15 * 512 + 3 * 10_000) * gemma.token_bytes_per_layer
+    >>> per_layer = gemma.token_bytes_per_layer
+    >>> ring_cache_bytes(gemma, 10_000) == (15 * 512 + 3 * 10_000) * per_layer
     True
     """
     check_int("seq_len", seq_len, 0)

@@ -85,10 +85,12 @@ class PagedSequence:
         return 0 if self.window is None else max(0, next_pos - self.window + 1)
 
     def append(self, n_tokens: int = 1) -> None:
-        """Write ``n_tokens`` new positions: first free blocks the next query cannot see, then
-        allocate blocks for the new positions. On pool exhaustion nothing is changed."""
+        """Write ``n_tokens`` new positions: first free blocks the next query cannot see,
+        then allocate blocks for the new positions. On pool exhaustion nothing is
+        changed."""
         check_int("n_tokens", n_tokens, 1)
-        needed = -(-(self.num_tokens + n_tokens) // self.pool.block_size) - len(self.block_table)
+        blocks = -(-(self.num_tokens + n_tokens) // self.pool.block_size)  # ceil division
+        needed = blocks - len(self.block_table)
         freeable = self._skipped_blocks(self.num_tokens)
         if needed > self.pool.num_free + len(freeable):
             raise RuntimeError(

@@ -81,7 +81,8 @@ class DraftRing:
         return out
 
     def commit(self, accepted: torch.Tensor) -> None:
-        """Keep the first ``accepted[b]`` tokens of row b's verified chunk, drop the rest."""
+        """Keep the first ``accepted[b]`` tokens of row b's verified chunk, drop the
+        rest."""
         if self._pending is None:
             raise ValueError("commit() needs a verify() first")
         check_tensor("accepted", accepted, self.cache.device)
@@ -165,7 +166,8 @@ class OverwritingRing(DraftRing):
 
 
 class SpareSlotsRing(DraftRing):
-    """Fix 1: ``window + max_draft`` slots, masked with ``window``; rejected tokens forgotten.
+    """Fix 1: ``window + max_draft`` slots, masked with ``window``; rejected tokens
+    forgotten.
 
     The extra slots hold positions no query can see any more, so a chunk of up to
     ``max_draft + 1`` tokens evicts only keys older than its first query's window: it can be
@@ -182,7 +184,8 @@ class SpareSlotsRing(DraftRing):
 
 
 class CommitAcceptedRing(DraftRing):
-    """Fix 2: verify over ``[ring | chunk]`` without writing; commit only accepted tokens."""
+    """Fix 2: verify over ``[ring | chunk]`` without writing; commit only accepted
+    tokens."""
 
     def _verify(self, q, k, v, positions, scale):
         return self.cache.attend_chunk(q, k, v, positions, scale=scale)

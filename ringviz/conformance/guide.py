@@ -27,7 +27,8 @@ from ringviz.conformance.probe import Unsupported
 
 
 def hf_layer(window: int) -> MakeStep:
-    """transformers' ``DynamicSlidingWindowLayer``, one sequence (check it with ``batch_size=1``).
+    """transformers' ``DynamicSlidingWindowLayer``, one sequence (check it with
+    ``batch_size=1``).
 
     >>> from ringviz.conformance import check
     >>> check(hf_layer(4), window=4, examples=5).ok
@@ -75,9 +76,9 @@ def mlx_cache(window: int) -> MakeStep:
 def server_rows(window: int) -> MakeStep:
     """A server over mlx-lm's caches, in the rows layout (``check(..., layout="rows")``):
     row ``b`` is request ``b``, with its real tokens only. A chunk of several tokens (a
-    prompt, or a request's first token) is prefilled in the request's own cache; the requests
-    that decode one token are merged into a ``BatchRotatingKVCache``, stepped together, and
-    extracted back, so the batch changes as requests join and leave."""
+    prompt, or a request's first token) is prefilled in the request's own cache; the
+    requests that decode one token are merged into a ``BatchRotatingKVCache``, stepped
+    together, and extracted back, so the batch changes as requests join and leave."""
     import mlx.core as mx
     from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
@@ -118,8 +119,8 @@ def server_rows(window: int) -> MakeStep:
 
 class SpeculativeStep:
     """transformers' ``DynamicSlidingWindowLayer`` recording its past, as assisted decoding
-    keeps it: ``rewind(n)`` is ``crop(-n)``, which can take back only tokens fed since the last
-    crop (older ones are already cut to the window)."""
+    keeps it: ``rewind(n)`` is ``crop(-n)``, which can take back only tokens fed since the
+    last crop (older ones are already cut to the window)."""
 
     def __init__(self, window: int) -> None:
         from transformers.cache_utils import DynamicSlidingWindowLayer
@@ -135,7 +136,8 @@ class SpeculativeStep:
         key_pos = torch.arange(seen - keys.shape[2], seen)
         q_pos = positions[0, :, None]
         mask = (key_pos <= q_pos) & (q_pos - key_pos < self.window)
-        return scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                            enable_gqa=True)
 
     def rewind(self, n: int) -> None:
         """Forget the newest ``n`` tokens: ``crop(-n)``."""

@@ -173,8 +173,8 @@ def _turned(window: int, turn: Callable[[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def slot_rope(window: int, rope: Rope = apply_rope) -> MakeStep:
-    """Keys (already turned to ``pos``) turned by ``pos % W - pos`` more, i.e. to their slot:
-    right until the first wrap, then every old key is scored at the wrong distance."""
+    """Keys (already turned to ``pos``) turned by ``pos % W - pos`` more, i.e. to their
+    slot: right until the first wrap, then every old key is scored at the wrong distance."""
     return _turned(window, lambda q, k, pos: (q, rope(k, pos % window - pos), pos))
 
 
