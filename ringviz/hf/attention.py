@@ -93,8 +93,8 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     """transformers' mask hook: the active RingCache's mask for this forward and layer kind.
 
     transformers calls it once per layer kind and forward (``local_size`` set for sliding
-    layers), before any layer runs; the first call of a forward makes the cache's forward plan
-    (positions and every kind's mask), the others read it.
+    layers), before any layer runs; the first call of a forward makes the cache's forward
+    plan (positions and every kind's mask), the others read it.
     """
     cache = serving_cache(config)
     check_no_grad()  # before any layer of this forward runs
@@ -118,7 +118,8 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
 def attention_hook(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor, scaling: float,
                    dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention hook: the layer's ring step (write, then attend) on its new tokens.
+    """transformers' attention hook: the layer's ring step (write, then attend) on its new
+    tokens.
 
     ``key``/``value`` are the new tokens' (``RingCache.update`` hands them on); the layer's
     store writes them and attends with the forward plan's mask for its kind
@@ -129,14 +130,16 @@ def attention_hook(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         raise ValueError("RingCache attention has no dropout: generate in eval mode")
     for name in ("softcap", "s_aux"):
         if kwargs.get(name) is not None:
-            raise ValueError(f"attention argument {name!r} (soft-capping / learned sinks) is "
-                             f"not implemented by the ring attention path")
+            raise ValueError(f"attention argument {name!r} (soft-capping / learned sinks) "
+                             f"is not implemented by the ring attention path")
     if attention_mask is not None and (attention_mask.dtype != torch.bool
                                        or attention_mask.shape[1] != 1):
         raise ValueError(f"the model changed the ring's mask into a {attention_mask.dtype} "
-                         f"mask over {attention_mask.shape[1]} heads (a learned per-head mask, "
-                         f"as in Doge): the ring attention path does not implement it")
-    out = serving_cache().attend(module.layer_idx, query, key, value, attention_mask, scaling)
+                         f"mask over {attention_mask.shape[1]} heads (a learned per-head "
+                         f"mask, as in Doge): the ring attention path does not "
+                         f"implement it")
+    out = serving_cache().attend(module.layer_idx, query, key, value, attention_mask,
+                                 scaling)
     # HF expects (B, T, Hq, D), contiguous as its own SDPA hands it (AfMoE views it)
     return out.transpose(1, 2).contiguous(), None
 

@@ -215,17 +215,18 @@ class RingLayer(RowsMixin, CacheLayerMixin):
              ) -> torch.Tensor:
         """:meth:`RingKVCache.step` with the plan's mask: write, attend ``(B, Hq, T, D)``.
 
-        ``unmasked``: the plan found every key visible (the ring is full), so the step is the
-        write and attention with no mask; ``causal``: the plan found the chunk plain causal
-        (:meth:`plain_causal`), so its queries attend over its own keys with SDPA's causal
-        mask, then it is written; ``real``: every token is real, so each row's is its next
-        position (the ring's contiguous write).
+        ``unmasked``: the plan found every key visible (the ring is full), so the step is
+        the write and attention with no mask; ``causal``: the plan found the chunk plain
+        causal (:meth:`plain_causal`), so its queries attend over its own keys with SDPA's
+        causal mask, then it is written; ``real``: every token is real, so each row's is its
+        next position (the ring's contiguous write).
         """
         if self.make_step is not None:
             return self._other_step(query, key, value, positions, scale)
         if torch.compiler.is_compiling() and self.slots != self.full:
-            raise RuntimeError(f"a compiled step needs the ring at its full {self.full} slots "
-                               f"(it holds {self.slots}): it cannot grow inside a graph")
+            raise RuntimeError(f"a compiled step needs the ring at its full {self.full} "
+                               f"slots (it holds {self.slots}): it cannot grow inside a "
+                               f"graph")
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         if causal and query.shape[2] == key.shape[2]:
@@ -234,8 +235,8 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         elif unmasked:
             self.ring.write(key, value, positions, check=False, contiguous=True)
             out = attend(query, self.ring.k, self.ring.v, scale=scale)
-        else:  # a chunk that may hold padding is validated, so the ring learns what each row
-            # holds (one host read)
+        else:  # a chunk that may hold padding is validated, so the ring learns what
+            # each row holds (one host read)
             out = self.ring.step(query, key, value, positions, scale=scale,
                                  check=key.shape[2] > 1 and not real, contiguous=real,
                                  mask=mask[:, 0])

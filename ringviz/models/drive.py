@@ -31,13 +31,15 @@ from ringviz.hf.generation import PREFILL_CHUNK
 
 
 class RingRunner:
-    """One model's KV state for a batch of rows: a :class:`ringviz.hf.RingCache`, fed explicit
-    positions (teacher forcing, ragged left-padded batches, chunked prefill).
+    """One model's KV state for a batch of rows: a :class:`ringviz.hf.RingCache`, fed
+    explicit positions (teacher forcing, ragged left-padded batches, chunked prefill).
 
     ``window``, ``sinks`` (with ``sink_convention``) and ``ring`` are the RingCache's: the
     sliding layers' window, the first positions every ring keeps beside it, and another ring
-    under every sliding layer (the seam, e.g. a pitfall of :mod:`ringviz.conformance.pitfalls`).
-    ``length``: the positions the run may reach, ``0 .. length-1`` (it sizes the full layers).
+    under every sliding layer
+    (the seam, e.g. a pitfall of :mod:`ringviz.conformance.pitfalls`).
+    ``length``: the positions the run may reach, ``0 .. length-1`` (it sizes the full
+    layers).
     ``caches[i]`` is layer i's store: a :class:`RingKVCache` (ring) or a ``FullLayer``; None
     under another ring.
     """
@@ -90,26 +92,26 @@ class RingRunner:
         if newest >= self.length:
             raise ValueError(f"position {newest} is at or past the runner's length="
                              f"{self.length} (positions 0..{self.length - 1}): its full-"
-                             f"attention layers would drop tokens; make a RingRunner with a "
-                             f"larger length")
+                             f"attention layers would drop tokens; make a RingRunner with "
+                             f"a larger length")
         if self._full and positions.ndim == 2 and positions.shape[0] == self.batch_size:
             real = positions >= 0
             expect = self._next.to(positions.device)[:, None] + real.cumsum(dim=1) - 1
             bad = real & (positions != expect)
             if bool(bad.any()):
                 b = int(bad.nonzero()[0, 0])
-                raise ValueError(f"row {b}: a full-attention layer stores position p in slot "
-                                 f"p, so positions must continue the row at "
-                                 f"{int(self._next[b])}, one per real token (-1 = padding); "
-                                 f"got {positions[b].tolist()}")
+                raise ValueError(f"row {b}: a full-attention layer stores position p in "
+                                 f"slot p, so positions must continue the row at "
+                                 f"{int(self._next[b])}, one per real token "
+                                 f"(-1 = padding); got {positions[b].tolist()}")
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *,
                 logits_to_keep: int = 0) -> torch.Tensor:
         """Logits ``(B, T, vocab)`` of ``T`` new tokens per row; -1 positions are padding.
 
-        ``logits_to_keep=n`` computes only the last ``n`` columns' logits (HF's argument; 0 =
-        all). Nothing is written when the call is refused.
+        ``logits_to_keep=n`` computes only the last ``n`` columns' logits (HF's argument;
+        0 = all). Nothing is written when the call is refused.
         """
         self._check_call(input_ids, positions)
         ring = self._first_ring()
@@ -125,13 +127,14 @@ class RingRunner:
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, *,
                 chunk: int | None = None, last_only: bool = False) -> torch.Tensor:
-        """Feed a ``(B, T)`` prompt in column chunks of ``chunk`` (default :attr:`prefill_chunk`).
+        """Feed a ``(B, T)`` prompt in column chunks of ``chunk``
+        (default :attr:`prefill_chunk`).
 
         Equal to one forward over the whole prompt (the ring is exact for any chunking), but
         the attention scores and activations held at once scale with the chunk, not with T.
         Returns the logits ``(B, T, vocab)``, or with ``last_only`` just the last column's
-        ``(B, 1, vocab)`` (the other chunks then skip the LM head). The whole prompt is checked
-        before its first chunk is written.
+        ``(B, 1, vocab)`` (the other chunks then skip the LM head). The whole prompt is
+        checked before its first chunk is written.
         """
         chunk = self.prefill_chunk if chunk is None else check_int("chunk", chunk)
         self._check_call(input_ids, positions)
@@ -148,7 +151,8 @@ class RingRunner:
             if last_only:
                 out = logits
             else:  # filled in place: no second copy of T x vocab logits
-                out = logits.new_empty(logits.shape[0], T, logits.shape[2]) if s == 0 else out
+                if s == 0:
+                    out = logits.new_empty(logits.shape[0], T, logits.shape[2])
                 out[:, s:s + chunk] = logits
         return out
 

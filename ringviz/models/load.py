@@ -193,9 +193,9 @@ def norms_in_model_dtype(model) -> int:
     """Make the RMSNorms of a float64 model compute in float64; returns how many changed.
 
     transformers casts RMSNorm inputs to float32 even in a float64 model. Besides the lost
-    precision, the float32 mean then depends on the batch shape (reduction order), so a decode
-    step and a whole-sequence forward differ at the same position, which hides whether a float64
-    ring decode is exact.
+    precision, the float32 mean then depends on the batch shape (reduction order), so a
+    decode step and a whole-sequence forward differ at the same position, which hides
+    whether a float64 ring decode is exact.
     """
     patches = {"LlamaRMSNorm": _llama_norm_float64, "Gemma3RMSNorm": _gemma3_norm_float64}
     changed = 0
@@ -211,9 +211,9 @@ def load_model(name: str, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str | None = None):
     """``(model, tokenizer)`` for ``"smollm2"`` or ``"gemma3"``, in eval mode, offline.
 
-    The float32 copy is built on first use (the GGUF's sha256 checked first); ``dtype=float64``
-    converts it after loading and makes its RMSNorms compute in float64 too
-    (``norms_in_model_dtype``). Attention runs through PyTorch SDPA.
+    The float32 copy is built on first use (the GGUF's sha256 checked first);
+    ``dtype=float64`` converts it after loading and makes its RMSNorms compute in float64
+    too (``norms_in_model_dtype``). Attention runs through PyTorch SDPA.
     """
     if dtype not in (torch.float32, torch.float64):
         raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")

@@ -22,7 +22,8 @@ from ringviz.masks import band_mask
 
 def band_bias(length: int, window: int | None, sinks: int = 0, *, dtype: torch.dtype,
               device: torch.device | str | None = None) -> torch.Tensor:
-    """Additive mask ``(1, 1, L, L)``: 0 where query i may see key j, the dtype's min elsewhere.
+    """Additive mask ``(1, 1, L, L)``: 0 where query i may see key j, the dtype's min
+    elsewhere.
 
     Visible by the window rule (:func:`ringviz.masks.band_mask`): ``j <= i`` and
     (``j > i - window`` or ``j < sinks``); ``window=None`` is causal.
