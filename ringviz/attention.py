@@ -13,14 +13,15 @@ import torch
 import torch.nn.functional as F
 
 
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
-                     scale: float | None = None, empty: torch.Tensor | None = None
-                     ) -> torch.Tensor:
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     mask: torch.Tensor, *, scale: float | None = None,
+                     empty: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA with a boolean ``(B, Tq, Tk)`` mask shared by all heads; GQA by head grouping.
 
-    The ``G = Hq / Hkv`` query heads that share a KV head (HF ``repeat_kv`` order: head ``h``
-    reads KV head ``h // G``). A decode query's G heads are packed into the query dimension, so
-    each KV head is read once by a G-row attention: a free view, faster than ``enable_gqa``.
+    The ``G = Hq / Hkv`` query heads that share a KV head (HF ``repeat_kv`` order: head
+    ``h`` reads KV head ``h // G``). A decode query's G heads are packed into the query
+    dimension, so each KV head is read once by a G-row attention: a free view,
+    faster than ``enable_gqa``.
     A chunk keeps its heads and ``enable_gqa``: its mask then broadcasts over heads, where
     packing would copy it G times.
     Rows with nothing visible come out as zeros, whatever the SDPA backend returns for them

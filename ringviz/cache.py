@@ -470,7 +470,8 @@ class RingKVCache:
 
     @property
     def window_full(self) -> bool:
-        """Every row holds its last ``window`` positions, and nothing else (:meth:`full_after`)."""
+        """Every row holds its last ``window`` positions, and nothing else
+        (:meth:`full_after`)."""
         return self.full_after(0)
 
     def full_after(self, grow: int) -> bool:
@@ -538,13 +539,14 @@ class RingKVCache:
                      mask: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of a chunk's queries over ``[ring | chunk]``, writing nothing.
 
-        The first half of :meth:`step` for ``T > 1`` (``step`` then writes the chunk), and on
-        its own the verify pass of speculative decoding, which commits only accepted tokens.
-        Inputs as for :meth:`step`, trusted (not checked).
+        The first half of :meth:`step` for ``T > 1`` (``step`` then writes the chunk), and
+        on its own the verify pass of speculative decoding, which commits only accepted
+        tokens. Inputs as for :meth:`step`, trusted (not checked).
         """
         positions = positions.to(torch.int64)
         keys, values, key_pos = self.keys_with_chunk(k, v, positions)
-        # q may hold only the chunk's last queries (Gemma 4's KV-shared layers drop the rest)
+        # q may hold only the chunk's last queries
+        # (Gemma 4's KV-shared layers drop the rest)
         q_positions = positions[:, positions.shape[1] - q.shape[2]:]
         mask = self._mask(q_positions, key_pos) if mask is None else mask  # (B, Tq, K)
         return self.attend_keys(q, q_positions, keys, values, mask, check_scale(scale))
@@ -645,12 +647,13 @@ class RingKVCache:
     def truncate(self, lengths: torch.Tensor, *, check: bool = True) -> None:
         """Forget every stored position ``>= lengths[b]`` of row b (rejected draft tokens).
 
-        Row b may then write from position ``lengths[b]`` again. Nothing is restored: a key that
-        a forgotten token overwrote is gone. So ``check`` (the default) raises ValueError, and
-        changes nothing, unless row b still holds every position its next query needs,
-        ``lengths[b] - window + 1 .. lengths[b] - 1`` (positions are a token sequence's, one
-        per index). A ring can take back ``capacity - window + 1`` tokens: one without spare
-        slots (chapter 13). ``check=False`` skips the check and its host sync.
+        Row b may then write from position ``lengths[b]`` again. Nothing is restored: a key
+        that a forgotten token overwrote is gone. So ``check`` (the default) raises
+        ValueError, and changes nothing, unless row b still holds every position its next
+        query needs, ``lengths[b] - window + 1 .. lengths[b] - 1`` (positions are a token
+        sequence's, one per index). A ring can take back ``capacity - window + 1`` tokens:
+        one without spare slots (chapter 13).
+        ``check=False`` skips the check and its host sync.
         """
         if check:
             self.check_truncation(lengths)

@@ -39,8 +39,8 @@ def visible(q_pos: Array, k_pos: Array, window: int | None, sinks: int = 0) -> A
     """Elementwise rule: key at ``k_pos`` is visible to a query at ``q_pos``.
 
     Both real (``>= 0``), the key not after the query, and inside the window:
-    ``k_pos > q_pos - window``. With ``sinks=S`` the first ``S`` positions stay visible to every
-    later query (attention sinks, StreamingLLM): ``k_pos < S`` or inside the window.
+    ``k_pos > q_pos - window``. With ``sinks=S`` the first ``S`` positions stay visible to
+    every later query (attention sinks, StreamingLLM): ``k_pos < S`` or inside the window.
     ``window=None``: no window (full causal attention). Plain ints work too (a Python bool).
     """
     if window is not None:

@@ -85,7 +85,8 @@ class ShiftWindowKVCache(_KVBuffer):
         self.dtype, self.device = self.k.dtype, self.k.device
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Shift ``T`` tokens in (oldest out); return the window's keys and values, oldest first."""
+        """Shift ``T`` tokens in (oldest out); return the window's keys and
+        values, oldest first."""
         self._check(k, v)
         T, W = k.shape[2], self.window
         if self.mode == "cat":

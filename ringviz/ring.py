@@ -26,9 +26,11 @@ from ringviz.masks import decode_mask
 
 
 class RingKV:
-    """A fixed-capacity ring of (k, v) vectors for one sequence, indexed by ``pos % window``."""
+    """A fixed-capacity ring of (k, v) vectors for one sequence, indexed by
+    ``pos % window``."""
 
-    def __init__(self, window: int, head_dim: int, dtype: np.dtype | type = np.float32) -> None:
+    def __init__(self, window: int, head_dim: int,
+                 dtype: np.dtype | type = np.float32) -> None:
         self.window = check_int("window", window)
         self.head_dim = check_int("head_dim", head_dim)
         self.k = np.zeros((self.window, self.head_dim), dtype=dtype)  # (window, head_dim)
@@ -37,14 +39,16 @@ class RingKV:
         self.last_slot = -1  # slot of the last push; -1 before any
 
     def push(self, k: np.ndarray, v: np.ndarray, pos: int) -> int:
-        """Write one token at slot ``pos % window``; return the evicted position (-1 if none)."""
+        """Write one token at slot ``pos % window``; return the evicted
+        position (-1 if none)."""
         k, v = np.asarray(k), np.asarray(v)
         if k.shape != (self.head_dim,) or v.shape != (self.head_dim,):
             raise ValueError(
                 f"k and v must have shape ({self.head_dim},), got {k.shape} and {v.shape}")
         pos = check_int("pos", pos, minimum=0)
         if pos <= self.last_pos:
-            raise ValueError(f"positions must strictly increase: got {pos} after {self.last_pos}")
+            raise ValueError(
+                f"positions must strictly increase: got {pos} after {self.last_pos}")
         slot = pos % self.window
         evicted = int(self.positions[slot])
         self.k[slot] = k
@@ -59,7 +63,8 @@ class RingKV:
         return int(self.positions.max())
 
     def visible(self, current_pos: int | None = None) -> np.ndarray:
-        """Bool ``(window,)``: which slots a query at ``current_pos`` (default: newest) sees."""
+        """Bool ``(window,)``: which slots a query at ``current_pos``
+        (default: newest) sees."""
         if current_pos is None:
             current_pos = self.last_pos
         elif current_pos < 0:
@@ -68,17 +73,19 @@ class RingKV:
 
     @property
     def start(self) -> int:
-        """Slot of the oldest visible entry (0 when empty): where an in-order read begins."""
+        """Slot of the oldest visible entry (0 when empty): where an in-order
+        read begins."""
         mask = self.visible()
         if not mask.any():
             return 0
         return int(np.where(mask, self.positions, np.iinfo(np.int64).max).argmin())
 
-    def read(self, current_pos: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def read(self, current_pos: int | None = None
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Visible ``(k, v, positions)``, oldest first.
 
-        The result is a gathered *copy*: attention does not need it (softmax-weighted sums do not
-        care about order), which is why the torch cache never calls anything like it.
+        The result is a gathered *copy*: attention does not need it (softmax-weighted sums
+        do not care about order), which is why the torch cache never calls anything like it.
         """
         slots = np.flatnonzero(self.visible(current_pos))
         order = slots[np.argsort(self.positions[slots])]  # oldest first

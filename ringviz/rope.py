@@ -40,11 +40,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotate_half(x) * sin
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, positions: torch.Tensor,
+               theta: float = 10000.0) -> torch.Tensor:
     """Rotate ``x`` (B, H, T, D) by the absolute ``positions`` (B, T); returns a new tensor.
 
-    Padding positions (-1) are rotated by a negative angle like any other number; their outputs are
-    never attended to, so no special case is needed.
+    Padding positions (-1) are rotated by a negative angle like any other number; their
+    outputs are never attended to, so no special case is needed.
     """
     if not isinstance(x, torch.Tensor) or not isinstance(positions, torch.Tensor):
         raise TypeError("x and positions must be torch tensors")
@@ -52,7 +53,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0)
         raise ValueError(f"x must be (B, H, T, D), got shape {tuple(x.shape)}")
     B, _, T, D = x.shape
     if positions.shape != (B, T):
-        raise ValueError(f"positions must be (B, T) = {(B, T)}, got {tuple(positions.shape)}")
+        raise ValueError(f"positions must be (B, T) = {(B, T)}, "
+                         f"got {tuple(positions.shape)}")
     if positions.is_floating_point():
         raise TypeError(f"positions must be integers, got {positions.dtype}")
     angles = rope_angles(positions, D, theta)  # (B, T, D/2) float64

@@ -39,17 +39,20 @@ from ringviz.rope import Rope
 
 
 def sink_shift(q_positions: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
-    """How far StreamingLLM's convention moves a sink for each query: ``p - min(p, S + W - 1)``.
+    """How far StreamingLLM's convention moves a sink for each query:
+    ``p - min(p, S + W - 1)``.
 
-    StreamingLLM places the query at cache position ``c = min(p, S + W - 1)``; rotating a sink key
-    by ``p - c`` makes an absolutely rotated query score it as from ``c``. Padding (-1) gets 0.
+    StreamingLLM places the query at cache position ``c = min(p, S + W - 1)``; rotating a
+    sink key by ``p - c`` makes an absolutely rotated query score it as from ``c``.
+    Padding (-1) gets 0.
     """
     return (q_positions - (sinks + window - 1)).clamp(min=0)
 
 
 def rotate_sinks(sink_k: torch.Tensor, q_positions: torch.Tensor, window: int,
                  rope: Rope) -> torch.Tensor:
-    """Sink keys ``(B, Hkv, S, D)`` turned by each query's sink_shift: ``(B, Hkv, T, S, D)``.
+    """Sink keys ``(B, Hkv, S, D)`` turned by each query's sink_shift:
+    ``(B, Hkv, T, S, D)``.
 
     ``S`` keys per query, whatever the window: the O(S) cost of StreamingLLM's convention.
     """
