@@ -1,8 +1,8 @@
 """The package code the chapters show (``literalinclude``) fits the book's column.
 
-The rendered article wraps a listing's line past about 93 characters at 1280 px (the listings'
-font size is in ``book/_static/ringviz.css``), and a wrapped line continues at the left edge,
-where it reads like a real line break. So every line of a listed object is at most
+The rendered article wraps a listing's line past 93 to 94 characters at 1280 px, in a dropdown
+too (the listings' font size and the dropdowns' padding are in ``book/_static/ringviz.css``), and
+a wrapped line continues at the left edge, where it reads like a real line break. So every line of a listed object is at most
 :data:`COLUMN` characters. The museum's transcriptions of other projects' code
 (``ringviz/conformance/museum.py``) keep their upstream lines and are left out.
 """
