@@ -235,8 +235,8 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         elif unmasked:
             self.ring.write(key, value, positions, check=False, contiguous=True)
             out = attend(query, self.ring.k, self.ring.v, scale=scale)
-        else:  # a chunk that may hold padding is validated, so the ring learns what
-            # each row holds (one host read)
+        else:  # validated for a chunk that may hold padding: the ring learns what each
+            # row holds (one host read); a decode step is trusted, as the plan built it
             out = self.ring.step(query, key, value, positions, scale=scale,
                                  check=key.shape[2] > 1 and not real, contiguous=real,
                                  mask=mask[:, 0])
