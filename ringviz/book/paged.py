@@ -6,7 +6,7 @@ before the window of the next query is handed back to the pool, as vLLM v1's sli
 manager does (``remove_skipped_blocks``: ``num_computed_tokens - sliding_window + 1`` tokens are
 skipped). A sequence then holds at most ``ceil(window / block_size) + 1`` blocks.
 
-Taught in chapter 8 (``notebooks/08_beyond_one_ring.ipynb``).
+Taught in chapter 8 (``notebooks/08_memory.ipynb``).
 """
 
 from __future__ import annotations

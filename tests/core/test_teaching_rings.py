@@ -21,7 +21,7 @@ from ringviz import RingKVCache
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 CELLS = {"Ring": ("03_ring_indexing", "ch03-ring"), "ChunkRing": ("06_prefill", "ch06-ring"),
-         "BatchRing": ("07_batching", "ch07-ring"), "SinkRing": ("08_beyond_one_ring", "ch08-ring")}
+         "BatchRing": ("07_batching", "ch07-ring"), "SinkRing": ("09_sinks", "ch08-ring")}
 
 
 def cell_source(notebook: str, cell_id: str) -> str:
@@ -47,7 +47,7 @@ def unmarked(source: str) -> str:
 @pytest.mark.parametrize("earlier, later", [
     (("03_ring_indexing", "ch03-ring"), ("06_prefill", "ch06-ring3")),
     (("06_prefill", "ch06-ring"), ("07_batching", "ch07-ring6")),
-    (("07_batching", "ch07-ring"), ("08_beyond_one_ring", "ch08-ring7")),
+    (("07_batching", "ch07-ring"), ("09_sinks", "ch08-ring7")),
     (("06_prefill", "ch06-ring"), ("11_real_models", "ch11-ring6"))])
 def test_each_chapter_starts_from_the_previous_ring(earlier, later):
     """The hidden copy a chapter starts from is an earlier chapter's ring, unchanged (chapter 11's
