@@ -163,21 +163,26 @@ def chunk_key_positions(stored: torch.Tensor, positions: torch.Tensor, sinks: in
 
 
 def step_key_positions(stored: torch.Tensor | None, q_positions: torch.Tensor, sinks: int,
-                       capacity: int) -> torch.Tensor:
+                       capacity: int, *, empty: bool | None = None) -> torch.Tensor:
     """Positions ``(B, K)`` of the keys a ring step attends over, from positions alone.
 
     ``stored`` ``(B, S + C)`` is what the slots hold (None: an empty ring not yet allocated).
     Decode (``T == 1``): the slots as they will be once the query is written (its home slot
-    holds it). A chunk: :func:`chunk_key_positions`, or the chunk alone into an empty ring
-    without sinks (one host sync, asked for chunks only). So one mask can be built before the
-    write, once for every layer that shares it.
+    holds it). A chunk: :func:`chunk_key_positions`, or the chunk alone into a ring without
+    sinks that holds nothing. ``empty``: whether it holds nothing, as the host knows it
+    (:attr:`RingKVCache.fresh`); None: found out from ``stored`` (a host sync, which
+    ``torch.compile`` cannot trace: a compiled caller passes it). So one mask can be built
+    before the write, once for every layer that shares it.
 
     >>> step_key_positions(torch.tensor([[4, 1, 2, 3]]), torch.tensor([[5]]), 0, 4).tolist()
     [[4, 5, 2, 3]]
     """
     q_positions = q_positions.to(torch.int64)
     B, T = q_positions.shape
-    empty = stored is None or (T > 1 and not bool((stored >= 0).any()))
+    if stored is None:
+        empty = True
+    elif empty is None and T > 1 and not sinks:
+        empty = not bool((stored >= 0).any())
     if T > 1 and empty and not sinks:
         return q_positions
     if stored is None:
@@ -248,6 +253,7 @@ class RingKVCache:
         # grown by since, the smallest run and the rows' newest positions (host values)
         self._runs = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
         self._commit(Told(newest=[-1] * batch_size))  # every row empty, as reset() leaves it
+        self._fresh = True  # no write since made or reset (:attr:`fresh`)
 
     # ------------------------------------------------------------------ storage
     def _views(self) -> None:
@@ -290,6 +296,7 @@ class RingKVCache:
         self._pos_store.fill_(-1)
         self._last_pos.fill_(-1)
         self._commit(Told(newest=[-1] * self.batch_size))
+        self._fresh = True
 
     # ------------------------------------------------------------------ the window
     @property
@@ -425,6 +432,7 @@ class RingKVCache:
                told: Told) -> None:
         """:meth:`write` of trusted int64 ``positions``, then the runs take what ``told`` says."""
         B, H, T, D = k.shape
+        self._fresh = False
         if T == 1 and told.next and not self.sinks:  # every row's newest + 1: stored, no guard
             slots = {p % self.capacity for p in told.newest or ()}  # one, known on the host?
             self._write_one(k, v, positions, slots.pop() if len(slots) == 1
@@ -467,6 +475,14 @@ class RingKVCache:
         self._k_rows.index_copy_(0, rows, k.reshape(-1, self.head_dim))
         self._v_rows.index_copy_(0, rows, v.reshape(-1, self.head_dim))
         self._pos_rows.index_copy_(0, self._pos_base + slot, positions.view(-1))
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the ring has taken no write since it was made or :meth:`reset`: it holds
+        nothing, known on the host without reading the positions (a trusted write's are never
+        read), so a chunk into it without sinks attends over itself alone
+        (:func:`step_key_positions`), validated or trusted alike."""
+        return self._fresh
 
     @property
     def window_full(self) -> bool:
@@ -581,7 +597,8 @@ class RingKVCache:
     def key_positions(self, q_positions: torch.Tensor) -> torch.Tensor:
         """``(B, K)`` positions of the keys :meth:`step` attends over for these queries: the
         slots once a decode token is written, ``[sinks | ring | chunk]`` before a chunk is."""
-        return step_key_positions(self.positions, q_positions, self.sinks, self.capacity)
+        return step_key_positions(self.positions, q_positions, self.sinks, self.capacity,
+                                  empty=self.fresh)
 
     def grown(self, window: int, capacity: int) -> RingKVCache:
         """A ring of ``window`` and ``capacity`` holding what this one holds, each key in its
@@ -612,7 +629,7 @@ class RingKVCache:
         new._last_pos.copy_(self._last_pos)
         new._runs.copy_(self._runs)
         new._runs_since, new._runs_known = self._runs_since, self._runs_known
-        new._least, new._newest = self._least, self._newest
+        new._least, new._newest, new._fresh = self._least, self._newest, self._fresh
         return new
 
     # ------------------------------------------------------------------ rows
