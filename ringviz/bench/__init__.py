@@ -93,7 +93,7 @@ class BenchConfig:
     generate_memory_new_tokens: tuple[int, ...] = (20, 2000)
     generate_long: bool = True  # bench="generate_long": SmolLM2 sliding, long W, vs HF's caches
     generate_long_cases: tuple[tuple[int, int], ...] = GENERATE_LONG_CASES  # (W, B)
-    generate_long_new_tokens: int = 96  # decode steps per repetition (after one prefill)
+    generate_long_new_tokens: int = 64  # decode steps per repetition (after one prefill)
     generate_long_reps: int = 3
     conform_caches: tuple[str, ...] = CONFORM_CACHES  # bench="conform": check() wall time
     conform_window: int = 6

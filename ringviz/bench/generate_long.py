@@ -165,7 +165,7 @@ def _measured(call: Callable[[], torch.Tensor], device: torch.device
 
 @torch.no_grad()
 def generate_long_rows(*, cases: tuple[tuple[int, int], ...] = GENERATE_LONG_CASES,
-                       new_tokens: int = 96, reps: int = 3, extra_prompt: int = 128,
+                       new_tokens: int = 64, reps: int = 3, extra_prompt: int = 128,
                        device: torch.device | None = None, load=None, log=print,
                        bandwidth_bytes: int = 1 << 28) -> list[dict]:
     """``bench="generate_long"`` rows: one per (impl, W, B), every repetition's seconds.
