@@ -62,7 +62,7 @@ class BenchConfig:
     reps: int = 21  # timed samples per impl, interleaved round-robin
     warmup: int = 2  # untimed calls per case before the (also untimed) calibration blocks
     min_sample_s: float = 0.05  # a sample repeats a call until it lasts at least this long
-    threads: int = 1  # torch.set_num_threads for the whole run (the appendix on the method says why 1)
+    threads: int = 1  # torch.set_num_threads for the whole run (why 1: the appendix on the method)
     memory_window: int = 1024  # W of the ring in bench="memory"
     memory_steps: int = 100_000  # decode steps of the ring
     memory_growing_steps: int = 16_384  # decode steps of the growing cache (O(n^2) time)
