@@ -88,7 +88,9 @@ def _cmd_bench(args: argparse.Namespace) -> dict:
 
     return run_bench(quick=args.quick, device=args.device, plot_dir=args.plot_dir,
                      only_part=args.only, generate_cases=args.generate_cases,
-                     generate_reps=args.generate_reps)
+                     generate_reps=args.generate_reps,
+                     generate_long_cases=args.generate_long_cases,
+                     generate_long_reps=args.generate_long_reps)
 
 
 def _cmd_conform(args: argparse.Namespace) -> dict:
@@ -190,6 +192,18 @@ def _cases(text: str) -> list[tuple[int, int]]:
     return cases
 
 
+def _window_batches(text: str) -> list[tuple[int, int]]:
+    """``"1024x1,4096x8"`` -> ``[(1024, 1), (4096, 8)]`` (window x batch)."""
+    try:
+        cases = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        cases = []
+    if not cases or any(len(c) != 2 or c[0] < 2 or c[1] < 1 for c in cases):
+        raise argparse.ArgumentTypeError(
+            f"expected WINDOWxBATCH[,WINDOWxBATCH...] with WINDOW >= 2, BATCH >= 1; got {text!r}")
+    return cases
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, one subparser per subcommand."""
     from ringviz.bench import PARTS
@@ -246,12 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
                             "'sinks' (sinks_update, sinks_decode), 'generate' "
                             "(Gemma-3-270M generate(), ringviz.hf vs HF's caches), 'compiled' "
                             "(SmolLM2 ring generate, eager vs inductor), 'generate_memory' "
-                            "(SmolLM2 RSS after 20 and 2,000 tokens, ring vs HF default) or "
+                            "(SmolLM2 RSS after 20 and 2,000 tokens, ring vs HF default), "
+                            "'generate_long' (SmolLM2 sliding at W = 1,024-8,192: ring vs HF's "
+                            "sliding caches and the bytes-bound floor) or "
                             "'conform' (seconds of conformance.check(examples=100), W=6)")
     bench.add_argument("--generate-cases", type=_cases, default=None,
                        help="generate() cases, BATCHxNEW,... (default 1x96,8x2048)")
     bench.add_argument("--generate-reps", type=_positive_int, default=None,
                        help="repetitions of each generate() case (default 3)")
+    bench.add_argument("--generate-long-cases", type=_window_batches, default=None,
+                       help="generate_long cases, WINDOWxBATCH,... (default 1024x1,4096x1,"
+                            "8192x1,1024x8,4096x8,8192x8)")
+    bench.add_argument("--generate-long-reps", type=_positive_int, default=None,
+                       help="repetitions of each generate_long case (default 3)")
     bench.set_defaults(func=_cmd_bench)
 
     conform = sub.add_parser(

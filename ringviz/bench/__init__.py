@@ -1,5 +1,5 @@
 """Benchmarks: the ring against copying windows, Hugging Face's sliding layers and the attention
-bound, plus memory over a long decode and real models' tokens per second (chapter 9).
+bound, plus memory over a long decode and real models' tokens per second (chapter 10).
 
 ``python -m ringviz bench [--quick] [--device cpu|cuda] [--json]`` calls :func:`run_bench`; a
 chapter or a test calls :func:`run` with its own :class:`BenchConfig`. Rows (``bench`` field;
@@ -17,6 +17,9 @@ which module measures each: ``ringviz/bench/README.md``):
 * ``generate_compiled``: SmolLM2 (every layer a ring) ``generate()``, eager vs inductor.
 * ``generate_memory``: SmolLM2 peak RSS and cache bytes after 20 and 2,000 new tokens, ring vs
   Hugging Face's default cache (fresh processes, CPU).
+* ``generate_long``: SmolLM2 in a sliding-window config, W = 1,024 to 8,192, ``generate()``
+  tokens/s of the ring and of Hugging Face's dynamic and static sliding caches, against the
+  bytes-bound floor of a decode step (the copy bandwidth measured in the same run).
 * ``conform``: seconds of one ``ringviz.conformance.check(examples=100)`` on W = 6 caches.
 """
 
@@ -33,6 +36,7 @@ from ringviz.bench import mlx_peer
 from ringviz.bench.cases import DECODE_IMPLS, UPDATE_IMPLS, Shape, build_cases, make_inputs
 from ringviz.bench.conform import CONFORM_CACHES, conform_rows
 from ringviz.bench.generate import compiled_rows, generate_memory_rows, generate_rows
+from ringviz.bench.generate_long import GENERATE_LONG_CASES, generate_long_rows
 from ringviz.bench.harness import Case, machine_info, measure_interleaved
 from ringviz.bench.memory import MEMORY_IMPLS, run_memory
 from ringviz.bench.model import model_rows
@@ -58,7 +62,7 @@ class BenchConfig:
     reps: int = 21  # timed samples per impl, interleaved round-robin
     warmup: int = 2  # untimed calls per case before the (also untimed) calibration blocks
     min_sample_s: float = 0.05  # a sample repeats a call until it lasts at least this long
-    threads: int = 1  # torch.set_num_threads for the whole run (see chapter 9 for why 1)
+    threads: int = 1  # torch.set_num_threads for the whole run (why 1: the appendix on the method)
     memory_window: int = 1024  # W of the ring in bench="memory"
     memory_steps: int = 100_000  # decode steps of the ring
     memory_growing_steps: int = 16_384  # decode steps of the growing cache (O(n^2) time)
@@ -87,6 +91,10 @@ class BenchConfig:
     generate_memory: bool = True  # bench="generate_memory": SmolLM2 RSS, ring vs HF default
     generate_memory_window: int = 256
     generate_memory_new_tokens: tuple[int, ...] = (20, 2000)
+    generate_long: bool = True  # bench="generate_long": SmolLM2 sliding, long W, vs HF's caches
+    generate_long_cases: tuple[tuple[int, int], ...] = GENERATE_LONG_CASES  # (W, B)
+    generate_long_new_tokens: int = 64  # decode steps per repetition (after one prefill)
+    generate_long_reps: int = 3
     conform_caches: tuple[str, ...] = CONFORM_CACHES  # bench="conform": check() wall time
     conform_window: int = 6
     conform_examples: int = 100
@@ -96,14 +104,15 @@ class BenchConfig:
 FULL = BenchConfig()
 QUICK = replace(FULL, reps=5, warmup=0, min_sample_s=0.02, memory_growing_steps=4096,
                 model=False, generate=False, compiled=False, generate_memory=False,
-                conform_reps=1)
+                generate_long=False, conform_reps=1)
 _PART_FIELDS = {"decode_step": "decode_windows", "decode_profile": "profile_windows",
                 "sinks": "sink_windows", "generate": "generate", "compiled": "compiled",
-                "generate_memory": "generate_memory", "conform": "conform_caches"}
+                "generate_memory": "generate_memory", "generate_long": "generate_long",
+               "conform": "conform_caches"}
 PARTS = tuple(_PART_FIELDS)  # ``--only`` keeps one
 _ALL_OFF = {"update_windows": (), "decode_windows": (), "memory": False, "model": False,
             "sink_windows": (), "generate": False, "compiled": False, "generate_memory": False,
-            "profile_windows": (), "conform_caches": ()}
+            "profile_windows": (), "conform_caches": (), "generate_long": False}
 
 
 def only(config: BenchConfig, part: str) -> BenchConfig:
@@ -243,6 +252,10 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
             rows += generate_memory_rows(window=config.generate_memory_window,
                                          new_tokens=config.generate_memory_new_tokens,
                                          threads=config.threads, log=_log)
+        if config.generate_long:
+            rows += generate_long_rows(cases=config.generate_long_cases,
+                                       new_tokens=config.generate_long_new_tokens,
+                                       reps=config.generate_long_reps, device=device, log=_log)
         if config.conform_caches:
             rows += conform_rows(caches=config.conform_caches, window=config.conform_window,
                                  examples=config.conform_examples, reps=config.conform_reps,
@@ -261,10 +274,13 @@ def run(config: BenchConfig, device: str | torch.device = "cpu",
 def run_bench(quick: bool, device: str, plot_dir: str | Path | None, *,
               only_part: str | None = None,
               generate_cases: tuple[tuple[int, int], ...] | None = None,
-              generate_reps: int | None = None) -> dict:
+              generate_reps: int | None = None,
+              generate_long_cases: tuple[tuple[int, int], ...] | None = None,
+              generate_long_reps: int | None = None) -> dict:
     """The CLI's entry: the quick configuration (every row but ``model`` and ``generate``) or
     the full one; ``only_part`` keeps one part's rows alone (:func:`only`), and the generate
-    cases and repetitions can be overridden (the full cases take hours on a 2-core CPU)."""
+    cases and repetitions, and generate_long's (W, B) cases and repetitions, can be overridden
+    (the full cases take hours on a 2-core CPU)."""
     config = QUICK if quick else FULL
     if only_part is not None:
         config = only(config, only_part)
@@ -272,6 +288,10 @@ def run_bench(quick: bool, device: str, plot_dir: str | Path | None, *,
         config = replace(config, generate_cases=tuple(generate_cases))
     if generate_reps is not None:
         config = replace(config, generate_reps=generate_reps)
+    if generate_long_cases is not None:
+        config = replace(config, generate_long_cases=tuple(generate_long_cases))
+    if generate_long_reps is not None:
+        config = replace(config, generate_long_reps=generate_long_reps)
     return run(config, device=device, plot_dir=plot_dir)
 
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from ringviz.bench.conform import conform_figures
 from ringviz.bench.generate import compiled_figures, generate_figures, generate_memory_figures
+from ringviz.bench.generate_long import generate_long_figures
 
 
 def _median(rows: Sequence[dict], bench: str, impl: str, window: int) -> float | None:
@@ -125,7 +126,7 @@ def figures(rows: Sequence[dict]) -> dict:
             **_ratio_figures(rows, "sinks_update", "ring_sinks", sinks, flat_sinks),
             **_ratio_figures(rows, "sinks_decode", "ring_sinks", sinks, flat_sinks),
             **generate_figures(rows), **compiled_figures(rows), **generate_memory_figures(rows),
-            **conform_figures(rows)}
+            **generate_long_figures(rows), **conform_figures(rows)}
 
 
 def _plot_bench_latency(rows: Sequence[dict], bench: str, ylabel: str, title: str, ax=None):

@@ -35,9 +35,10 @@ speculative decoder's rejected drafts, a prompt cache trimmed back to a shared p
 forgotten positions again, with new keys or the same ones; every forgotten token is a real
 token of every row. A cache that cannot rewind a state (its keys overwritten) raises
 :class:`Unsupported` in ``rewind``, and the schedule is counted as declined. A make_step
-written for the four shapes alone
-still works: the kit passes ``dtype`` and ``device`` only to one that takes them
-(:mod:`.seam`). :mod:`ringviz.conformance.adapters` holds ready ones; :func:`check` returns a
+written for the four shapes alone still works: the kit passes ``dtype`` and ``device`` only
+to one that names them or takes ``**kwargs`` (:mod:`.seam`); one that takes ``**kwargs`` and
+hands them to a builder of four shapes fails with ``"error"``, and the report says the two
+ways out. :mod:`ringviz.conformance.adapters` holds ready ones; :func:`check` returns a
 :class:`Report` whose :class:`Failure` s carry a shrunk schedule.
 
 How it reads the keys a query saw without looking inside the cache: :mod:`.probe`.

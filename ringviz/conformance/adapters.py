@@ -299,3 +299,72 @@ def mlx_batch_rotating(max_size: int) -> MakeStep:
         return step
 
     return prebuilt(build)
+
+
+# ---------------------------------------------------------------- ExecuTorch
+class ExecuTorchStep:
+    """ExecuTorch's ``RingKVCache`` (``executorch.examples.models.llama.attention``: 2W slots,
+    each slot's position in ``cache_positions``) driven as its ``AttentionMHA.forward`` drives
+    it: ``kv_cache.update(input_pos, k, v)``, then ``create_causal_mask_for_ring_buffer(start,
+    T)`` over the positions the slots hold after the write, then its ``SDPA`` module.
+
+    ``input_pos`` is one start position for the whole batch: every row in step, no padding
+    (ragged rows raise). A chunk over the ring's 2W slots is refused by the cache's own
+    ``assert``; the step declines it as :class:`Unsupported` (a limit by design, not a bug).
+    """
+
+    def __init__(self, window: int, s: StepSpec) -> None:
+        from executorch.examples.models.llama.attention import SDPA, RingKVCache
+
+        self.cache = RingKVCache(s.batch_size, window, s.num_kv_heads, s.head_dim,
+                                 enable_dynamic_shape=True, dtype=s.dtype).to(s.device)
+        self.sdpa = SDPA(dim=s.num_heads * s.head_dim, head_dim=s.head_dim,
+                         n_rep=s.num_heads // s.num_kv_heads, max_context_len=window)
+        self.slots = self.cache.k_cache.shape[2]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        import warnings
+
+        B, H, T, D = q.shape
+        if bool((positions < 0).any()) or bool((positions != positions[:1]).any()):
+            raise ValueError("ExecuTorch's RingKVCache takes one input_pos for the whole "
+                             "batch (every row in step, no padding): check it with "
+                             "ragged=False")
+        if T > self.slots:
+            raise Unsupported(f"RingKVCache.update asserts a chunk fits its {self.slots} "
+                              f"slots (2W); got {T} tokens")
+        input_pos = positions[0, :1]
+        start = int(input_pos[0])
+        with warnings.catch_warnings():  # torch._check_is_size's deprecation, per call
+            warnings.simplefilter("ignore", FutureWarning)
+            keys, values = self.cache.update(input_pos, k, v)
+            mask = self.cache.create_causal_mask_for_ring_buffer(start, T)
+        out = self.sdpa(input_pos, q, keys, values, B, T, mask)
+        return out.view(B, T, H, D).transpose(1, 2)
+
+
+class _CappedChunks:
+    """A step fed chunks of at most ``cap`` tokens, one after another: a runner that cuts a
+    long prefill into pieces (ExecuTorch PR #20346 caps the gemma4 runner's at W)."""
+
+    def __init__(self, step: Step, cap: int) -> None:
+        self.step, self.cap = step, cap
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        T = q.shape[2]
+        return torch.cat([self.step(*(t[:, :, a:a + self.cap] for t in (q, k, v)),
+                                    positions[:, a:a + self.cap])
+                          for a in range(0, T, self.cap)], dim=2)
+
+
+def executorch_ring(window: int, max_chunk: int | None = None) -> MakeStep:
+    """ExecuTorch's pure-PyTorch ``RingKVCache(max_context_length=window)`` as its attention
+    drives it (:class:`ExecuTorchStep`). ``max_chunk``: the runner cuts each chunk into pieces
+    of at most that many tokens before the forward (``None``: fed whole, up to 2W)."""
+    def build(s: StepSpec) -> Step:
+        step = ExecuTorchStep(window, s)
+        return step if max_chunk is None else _CappedChunks(step, max_chunk)
+
+    return prebuilt(build)

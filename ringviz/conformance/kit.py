@@ -1,11 +1,15 @@
 """``check(make_step, window=W)``: hypothesis draws schedules, shrinks the ones that fail.
 
 Each example is one :class:`~ringviz.conformance.schedule.Schedule` run through fresh caches
-(:func:`~ringviz.conformance.probe.evaluate`). A failing example raises an exception of its
-property's class; hypothesis then shrinks it (fewer, smaller chunks, smaller offsets, fewer and
-smaller rewinds) while the same property keeps failing, and with ``report_multiple_bugs`` it
-shrinks each property apart. The run is seeded (``@seed``) and keeps no example database, so
-the same call gives the same report.
+(:func:`~ringviz.conformance.probe.evaluate_all`: every property judged on every query). A
+failing example raises an exception of its first broken property's class; hypothesis then
+shrinks it (fewer, smaller chunks, smaller offsets, fewer and smaller rewinds) while the same
+property keeps failing, and with ``report_multiple_bugs`` it shrinks each property apart. A
+property that broke only beside another (a ring that keeps a stale key *and* scales its
+outputs breaks both on every schedule that shows either) gets a second search of its own, on
+the same seed, which raises for that property alone and so shrinks it to its own schedule.
+The run is seeded (``@seed``) and keeps no example database, so the same call gives the
+same report.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ringviz.conformance.probe import (
     NUM_HEADS,
     NUM_KV_HEADS,
     Unsupported,
-    evaluate,
+    evaluate_all,
     head_dim_for,
 )
 from ringviz.conformance.report import PROPERTIES, Failure, Report
@@ -115,48 +119,69 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
     device = torch.device(device)
     if rewind:
         _check_rewind(make_step, batch_size, dtype, device)
-    runs, skipped, why = 0, 0, ""
+    state = {"runs": 0, "skipped": 0, "why": "", "seen": set()}
 
-    @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
-              phases=(Phase.generate, Phase.shrink), report_multiple_bugs=True,
-              suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet,
-              print_blob=False)
-    @hypothesis_seed(seed)
-    @given(schedules(window=window, sinks=sinks, batch_size=batch_size, ragged=ragged,
-                     max_chunk=max_chunk, rewind=rewind))
-    def conforms(schedule) -> None:
-        nonlocal runs, skipped, why
-        runs += 1
+    def search(target: str | None) -> list[Failure]:
+        """One hypothesis search; ``target``: the only property it raises for (None: the
+        first each example breaks)."""
+        @settings(max_examples=examples, database=None, deadline=None, derandomize=False,
+                  phases=(Phase.generate, Phase.shrink), report_multiple_bugs=True,
+                  suppress_health_check=list(HealthCheck), verbosity=Verbosity.quiet,
+                  print_blob=False)
+        @hypothesis_seed(seed)
+        @given(schedules(window=window, sinks=sinks, batch_size=batch_size, ragged=ragged,
+                         max_chunk=max_chunk, rewind=rewind))
+        def conforms(schedule) -> None:
+            state["runs"] += 1
+            try:
+                found = evaluate_all(make_step, schedule, window=window, sinks=sinks,
+                                     dtype=dtype, device=device, seed=seed, layout=layout)
+            except Unsupported as err:
+                state["skipped"] += 1
+                state["why"] = str(err)
+                reject()
+            finally:
+                if progress is not None:
+                    progress(state["runs"])
+            state["seen"].update(f.property for f in found)
+            found = [f for f in found if target in (None, f.property)]
+            if found:
+                raise _BROKEN[found[0].property](found[0])
+
         try:
-            found = evaluate(make_step, schedule, window=window, sinks=sinks, dtype=dtype,
-                             device=device, seed=seed, layout=layout)
-        except Unsupported as err:
-            skipped, why = skipped + 1, str(err)
-            reject()
-        finally:
-            if progress is not None:
-                progress(runs)
-        if found is not None:
-            raise _BROKEN[found.property](found)
-
-    failures: list[Failure] = []
-    try:
-        conforms()
-    except Unsatisfiable:
-        failures.append(Failure("error", [], [], message=f"the cache declined every schedule "
-                                f"drawn ({skipped} of {runs}): {why}"))
-    except Flaky as err:  # the same schedule passed once and failed once
-        failures.append(Failure("error", [], [], message=f"the cache answered the same "
-                                f"schedule two ways (nondeterministic): {err}"))
-    except BaseException as err:
-        leaves = _leaves(err)
-        if not all(isinstance(leaf, _Broken) for leaf in leaves):
+            conforms()
+        except (Unsatisfiable, Flaky):
+            if target:  # the first search reported what the cache declines or does two ways
+                return []
             raise
-        failures = [leaf.failure for leaf in leaves]
-    return Report(failures=_one_per_property(failures), examples=runs, skipped=skipped,
-                  window=window, sinks=sinks, batch_size=batch_size, ragged=ragged,
-                  max_chunk=max_chunk, seed=seed, name=name,
-                  dtype=str(dtype).removeprefix("torch."), rewind=rewind, layout=layout)
+        except BaseException as err:
+            leaves = _leaves(err)
+            if not all(isinstance(leaf, _Broken) for leaf in leaves):
+                raise
+            return [leaf.failure for leaf in leaves]
+        return []
+
+    def first_search() -> list[Failure]:
+        """The untargeted search; a cache that declines everything, or answers the same
+        schedule two ways, is an ``"error"``."""
+        try:
+            return search(None)
+        except Unsatisfiable:
+            return [Failure("error", [], [], message=f"the cache declined every schedule "
+                            f"drawn ({state['skipped']} of {state['runs']}): {state['why']}")]
+        except Flaky as err:  # the same schedule passed once and failed once
+            return [Failure("error", [], [], message=f"the cache answered the same "
+                            f"schedule two ways (nondeterministic): {err}")]
+
+    failures = first_search()
+    for prop in PROPERTIES:  # broken only beside another property: shrunk on its own
+        if prop in state["seen"] and all(f.property != prop for f in failures):
+            failures += search(prop)
+    return Report(failures=_one_per_property(failures), examples=state["runs"],
+                  skipped=state["skipped"], window=window, sinks=sinks,
+                  batch_size=batch_size, ragged=ragged, max_chunk=max_chunk, seed=seed,
+                  name=name, dtype=str(dtype).removeprefix("torch."), rewind=rewind,
+                  layout=layout)
 
 
 def _one_per_property(failures: list[Failure]) -> list[Failure]:

@@ -31,6 +31,7 @@ from ringviz.conformance.adapters import (
     MlxStep,
     _mlx_sdpa,
     _to_mx,
+    executorch_ring,
     hf_dynamic_sliding,
     mlx_rotating,
 )
@@ -65,6 +66,7 @@ class Exhibit:
     upstream_fix: Callable[[int], MakeStep] | None = None  # a project's fix that still breaks
     rewind: bool = False  # schedules that rewind (the step has rewind(n))
     listing: tuple[str, str] = ("museum.py", "")  # (file in ringviz/conformance, pyobject)
+    requires: str | None = None  # a package the exhibit runs (its tests skip without it)
 
     def check(self, make: Callable[[int], MakeStep], examples: int | None = None) -> Report:
         """Check ``make(window)`` at this exhibit's setting."""
@@ -876,4 +878,22 @@ EXHIBITS |= {e.name: e for e in [
         "expects (PR #48280)",
         _hf_assisted(_recording_layer_pre48280), _hf_assisted(None), "error", rewind=True,
         listing=("museum.py", "_recording_layer_pre48280")),
+]}
+
+
+_ET = "https://github.com/pytorch/executorch"
+EXHIBITS |= {e.name: e for e in [
+    Exhibit(
+        "executorch_20346", "ExecuTorch", "PR #20346", f"{_ET}/pull/20346",
+        "The ring holds 2W slots and a chunk is written before it attends, so a chunk longer "
+        "than W + 1 tokens overwrites keys its own first queries still need; the gemma4 "
+        "runner prefilled in chunks of 2W.",
+        "executorch 1.5.1 as installed: examples/models/llama/attention.py, RingKVCache "
+        "(2W slots, cache_positions), driven as AttentionMHA.forward drives it (update, "
+        "create_causal_mask_for_ring_buffer, SDPA)",
+        "PR #20346 (open): the runner caps its prefill chunks at the sliding window; here the "
+        "same installed ring, each chunk cut to W tokens before the forward",
+        executorch_ring, lambda window: executorch_ring(window, max_chunk=window), "window",
+        batch_size=2, listing=("adapters.py", "ExecuTorchStep.__call__"),
+        requires="executorch"),
 ]}

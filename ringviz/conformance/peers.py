@@ -83,6 +83,9 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
          "trim_prompt_cache, as its speculative decoder does", lambda w, s: adapters.mlx_rotating(
              w + s, keep=s), library="mlx-lm", sinks=True, ragged=False, dtype=_F32,
          rewind=True),
+    Peer("executorch_ring", "ExecuTorch RingKVCache (2W slots) + its ring mask + SDPA, as "
+         "AttentionMHA drives it", adapters.executorch_ring, library="executorch",
+         ragged=False, batch_size=2),
 ]} | {name: Peer(name, p.what, p.factory, sinks=p.sinks > 0, ragged=p.ragged,
                  batch_size=p.batch_size, expect=p.breaks, default_sinks=p.sinks)
       for name, p in PITFALLS.items()}

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -29,7 +30,7 @@ from ringviz.cache import MakeStep, Step
 from ringviz.conformance.pitfalls import attend
 from ringviz.conformance.report import Failure
 from ringviz.conformance.schedule import Schedule
-from ringviz.conformance.seam import StepSpec, make
+from ringviz.conformance.seam import StepSpec, build_hint, make
 
 NUM_HEADS, NUM_KV_HEADS = 4, 2  # grouped-query attention: two query heads per KV head
 MAX_HEAD_DIM = 64
@@ -77,15 +78,17 @@ LAYOUTS = ("padded", "rows")
 
 
 @contextmanager
-def _reported(i: int, doing: str = "") -> Iterator[None]:
+def _reported(i: int, doing: str = "",
+              hint: Callable[[BaseException], str] | None = None) -> Iterator[None]:
     """An exception the cache's code raises becomes a StepError at chunk ``i``, its text after
-    ``doing``; :class:`Unsupported` (a schedule declined) passes through."""
+    ``doing`` and before ``hint(err)``; :class:`Unsupported` (a schedule declined) passes
+    through."""
     try:
         yield
     except (Unsupported, StepError):
         raise
     except Exception as err:  # noqa: BLE001 -- the kit reports, never propagates
-        raise StepError(i, doing + described(err)) from err
+        raise StepError(i, doing + described(err) + (hint(err) if hint else "")) from err
 
 
 def _kind(out: object) -> object:
@@ -130,7 +133,7 @@ def feed(make_step: MakeStep, schedule: Schedule, q: torch.Tensor, k: torch.Tens
     outputs, float64. ``layout`` is how a chunk is handed over: ``"padded"`` tensors, or
     ``"rows"``, each row's real tokens (:mod:`ringviz.conformance`)."""
     B, Hq, _, D = q.shape
-    with _reported(0, "make_step raised "):
+    with _reported(0, "make_step raised ", partial(build_hint, make_step)):
         step = make(make_step, StepSpec(B, Hq, k.shape[1], D, q.dtype, q.device))
     one = _rows if layout == "rows" else _padded
     outs = []
@@ -186,18 +189,30 @@ def read_seen(weights: torch.Tensor, noise: float) -> tuple[dict[int, int], int]
     return counts, blank
 
 
-def window_failure(weights: torch.Tensor, schedule: Schedule, positions: torch.Tensor,
-                   mask: torch.Tensor, *, dtype: torch.dtype) -> Failure | None:
-    """The first query (in time order) whose seen keys differ from its window, or None."""
-    B, N = positions.shape
-    noise = PROBE_NOISE.get(dtype, 1e-2)
+def _expected_ids(schedule: Schedule, mask: torch.Tensor) -> torch.Tensor:
+    """``(B, N, ids)`` bool: the token ids each query's window holds."""
+    B, N, _ = mask.shape
     ids = schedule.token_ids().to(mask.device)  # (B, N)
     count = torch.zeros(B, N, B * N, dtype=torch.int64, device=mask.device)
     count.scatter_add_(2, ids[:, None, :].expand(B, N, N), mask.long())
-    ids_expected = count > 0  # (B, N, ids): the ids each query's window holds
+    return count > 0
+
+
+def window_check(weights: torch.Tensor, schedule: Schedule, positions: torch.Tensor,
+                 mask: torch.Tensor, *, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, Failure | None]:
+    """``(wrong, failure)``: ``(B, N)`` bool, the real queries that saw another set of keys
+    than their window (in any head), and the window Failure of the first of them in time
+    order (None if none). A query whose weights are off uniform but whose keys are right (its
+    outputs scaled, say) is not wrong here: that is ``"values"``'s to judge."""
+    B, N = positions.shape
+    noise = PROBE_NOISE.get(dtype, 1e-2)
+    ids_expected = _expected_ids(schedule, mask)
     uniform = ids_expected / ids_expected.sum(-1, keepdim=True).clamp_min(1)
     off = (weights - uniform[:, None]).abs().nan_to_num(nan=1.0).amax(dim=(1, 3)) > noise
     off &= positions >= 0  # padding queries may output anything
+    wrong = torch.zeros_like(off)
+    first = None
     for c in range(N):
         for b in range(B):
             if not off[b, c]:
@@ -207,9 +222,18 @@ def window_failure(weights: torch.Tensor, schedule: Schedule, positions: torch.T
                 found = _compare(weights[b, h, c], b, c, positions, ids_expected[b, c], noise,
                                  forgotten)
                 if found is not None:
-                    return _window(schedule, positions, mask, weights[:, h], b, c, found,
-                                   noise)
-    return None
+                    wrong[b, c] = True
+                    if first is None:
+                        first = _window(schedule, positions, mask, weights[:, h], b, c, found,
+                                        noise)
+                    break
+    return wrong, first
+
+
+def window_failure(weights: torch.Tensor, schedule: Schedule, positions: torch.Tensor,
+                   mask: torch.Tensor, *, dtype: torch.dtype) -> Failure | None:
+    """The first query (in time order) whose seen keys differ from its window, or None."""
+    return window_check(weights, schedule, positions, mask, dtype=dtype)[1]
 
 
 def _compare(w: torch.Tensor, b: int, c: int, positions: torch.Tensor, want: torch.Tensor,
@@ -308,10 +332,15 @@ def padding_failure(out: torch.Tensor, schedule: Schedule,
 
 
 def values_failure(out: torch.Tensor, ref: torch.Tensor, schedule: Schedule,
-                   positions: torch.Tensor, *, dtype: torch.dtype) -> Failure | None:
-    """The first real query (in time order) whose output is off the reference, or None."""
+                   positions: torch.Tensor, *, dtype: torch.dtype,
+                   wrong: torch.Tensor | None = None) -> Failure | None:
+    """The first real query (in time order) whose output is off the reference, or None.
+    ``wrong``: ``(B, N)`` queries that saw the wrong keys, left to ``"window"`` (their
+    outputs are off for that reason)."""
     err = (out - ref).abs().nan_to_num(nan=math.inf).amax(dim=(1, 3))
     err = err.masked_fill(positions < 0, 0.0)  # (B, N): padding queries are "padding"'s
+    if wrong is not None:
+        err = err.masked_fill(wrong, 0.0)
     tol = VALUE_TOL.get(dtype, 5e-2)
     bad = (err > tol).T.nonzero()  # (column, row) in time order
     if not len(bad):
@@ -324,13 +353,14 @@ def values_failure(out: torch.Tensor, ref: torch.Tensor, schedule: Schedule,
                             position=int(positions[b, c]), max_error=worst)
 
 
-def evaluate(make_step: MakeStep, schedule: Schedule, *, window: int, sinks: int,
-             dtype: torch.dtype, device: torch.device, seed: int,
-             layout: str = "padded") -> Failure | None:
-    """The first property ``schedule`` breaks: window, then padding, then values (padding
-    first: a schedule with no padding can still show values, so a cache that breaks both is
-    reported for both); errors as ``"error"``. ``layout``: how chunks are handed over
-    (:data:`LAYOUTS`).
+def evaluate_all(make_step: MakeStep, schedule: Schedule, *, window: int, sinks: int,
+                 dtype: torch.dtype, device: torch.device, seed: int,
+                 layout: str = "padded") -> list[Failure]:
+    """Every property ``schedule`` breaks, each on its first query, in the order window,
+    padding, values: each judged on every query (``"values"`` on the queries that saw their
+    window's keys, so a query with the right keys and the wrong output counts even where
+    another query broke the window); an exception as ``"error"``. ``layout``: how chunks are
+    handed over (:data:`LAYOUTS`).
 
     Raises :class:`Unsupported` if the cache declines the schedule.
     """
@@ -338,15 +368,23 @@ def evaluate(make_step: MakeStep, schedule: Schedule, *, window: int, sinks: int
     positions = schedule.positions().to(device)
     # query column c of row b sees key column c': its window over the keys held when c is answered
     mask = band_mask(positions, positions, window, sinks) & schedule.held().to(device)[None]
+    found: list[Failure] = []
     try:
         weights = probe_weights(make_step, schedule, positions, dtype=dtype, device=device,
                                 gen=gen, layout=layout)
-        found = window_failure(weights, schedule, positions, mask, dtype=dtype)
-        if found is None:
-            out, ref = random_outputs(make_step, schedule, positions, mask, dtype=dtype,
-                                      device=device, gen=gen, layout=layout)
-            found = (padding_failure(out, schedule, positions)
-                     or values_failure(out, ref, schedule, positions, dtype=dtype))
+        wrong, window_broken = window_check(weights, schedule, positions, mask, dtype=dtype)
+        found.append(window_broken)
+        out, ref = random_outputs(make_step, schedule, positions, mask, dtype=dtype,
+                                  device=device, gen=gen, layout=layout)
+        found.append(padding_failure(out, schedule, positions))
+        found.append(values_failure(out, ref, schedule, positions, dtype=dtype, wrong=wrong))
     except StepError as err:
-        return schedule_failure("error", schedule, message=err.message, step=err.step)
-    return found
+        found.append(schedule_failure("error", schedule, message=err.message, step=err.step))
+    return [f for f in found if f is not None]
+
+
+def evaluate(make_step: MakeStep, schedule: Schedule, **kwargs) -> Failure | None:
+    """The first property :func:`evaluate_all` finds broken (window, padding, values, error),
+    or None."""
+    found = evaluate_all(make_step, schedule, **kwargs)
+    return found[0] if found else None

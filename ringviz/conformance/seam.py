@@ -14,6 +14,7 @@ alone, as ``ringviz.hf``'s seam).
 from __future__ import annotations
 
 import inspect
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,6 +61,28 @@ def build_keywords(make_step: Callable[..., object]) -> tuple[str, ...]:
         return BUILD_KEYWORDS
     named = {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
     return tuple(k for k in BUILD_KEYWORDS if k in named)
+
+
+def build_hint(make_step: Callable[..., object], err: BaseException) -> str:
+    """What to do when ``make_step`` took ``**kwargs`` and passed the kit's ``dtype`` or
+    ``device`` on to a builder that takes neither (else ``""``)."""
+    text = str(err)
+    passed = [k for k in BUILD_KEYWORDS if f"keyword argument '{k}'" in text]
+    try:
+        params = inspect.signature(make_step).parameters.values()
+    except (TypeError, ValueError):
+        return ""
+    if not (isinstance(err, TypeError) and passed
+            and any(p.kind is p.VAR_KEYWORD for p in params)):
+        return ""
+    return "\n" + textwrap.fill(
+        f"make_step takes **kwargs, so the kit passed it {' and '.join(BUILD_KEYWORDS)} "
+        f"besides the four shapes, and it handed them on to a builder that does not take "
+        f"{passed[0]!r}. Two ways out: forward them to a builder that takes them (every "
+        f"factory in ringviz.conformance.adapters does, and builds its storage up front), "
+        f"or name the four shapes, make_step(*, batch_size, num_heads, num_kv_heads, "
+        f"head_dim), and the kit passes those alone.", width=92, initial_indent="  hint: ",
+        subsequent_indent="  ")
 
 
 def make(make_step: MakeStep, spec: StepSpec) -> Step:

@@ -35,7 +35,7 @@ TINY = BenchConfig(update_windows=(8, 32), decode_windows=(8, 16), batch=2, kv_h
                    memory_window=16, memory_steps=200, memory_growing_steps=50, model=False,
                    sink_windows=(8, 32), sinks=2, sink_kv_heads=2, sink_q_heads=4,
                    sink_head_dim=8, generate=False, compiled=False, generate_memory=False,
-                   decode_batches=(1, 2), conform_caches=("ringviz_ring", "off_by_one"),
+                   generate_long=False, decode_batches=(1, 2), conform_caches=("ringviz_ring", "off_by_one"),
                    conform_window=4, conform_examples=5, conform_reps=2, profile_windows=(8,))
 PEER_IMPLS = (mlx_peer.IMPL, mlx_peer.ATTENTION_IMPL)
 ROW_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "kv_heads": int,
@@ -205,6 +205,9 @@ def test_the_contract_configurations():
     assert (FULL.generate_prompt_tokens, FULL.generate_cases) == (600, ((1, 96), (8, 2048)))
     assert not (QUICK.compiled or QUICK.generate_memory) and FULL.compiled
     assert FULL.generate_memory and FULL.generate_memory_new_tokens == (20, 2000)
+    assert not QUICK.generate_long and FULL.generate_long
+    assert {w for w, _ in FULL.generate_long_cases} == {1024, 4096, 8192}
+    assert {b for _, b in FULL.generate_long_cases} == {1, 8}
 
 
 @pytest.mark.parametrize("part", PARTS)
@@ -214,7 +217,7 @@ def test_only_keeps_one_part(part):
             "decode_profile": bool(config.profile_windows),
             "generate": config.generate,
             "compiled": config.compiled, "generate_memory": config.generate_memory,
-            "conform": bool(config.conform_caches)}
+            "generate_long": config.generate_long, "conform": bool(config.conform_caches)}
     assert kept == {p: p == part for p in PARTS}
     assert not (config.update_windows or config.memory or config.model)
 
@@ -387,6 +390,60 @@ def test_generate_memory_rows_run_fresh_processes():
     layers, kv_heads, head_dim = 30, 3, 64  # SmolLM2-135M
     assert grown == 4 * layers * 2 * kv_heads * head_dim * 4  # 4 more tokens' K and V, float32
     assert all(r["peak_rss_growth_bytes"] >= 0 and r["seconds"] > 0 for r in rows)
+
+
+LONG_FIELDS = {"bench": str, "impl": str, "window": int, "batch": int, "layers": int,
+               "kv_heads": int, "head_dim": int, "dtype": str, "device": str,
+               "prompt_tokens": int, "new_tokens": int, "reps": int, "seconds": list,
+               "prefill_s": float, "tokens_per_s": float, "step_bytes": dict,
+               "copy_bandwidth_Bps": list, "floor_s_per_step": float, "over_floor": list,
+               "peak_rss_growth_bytes": int, "cache_bytes": int, "tokens_match_ring": bool}
+
+
+def test_generate_long_rows_decode_the_same_tokens_and_count_the_bytes():
+    """A tiny Mistral (every layer sliding): every cache's row present and typed, the tokens of
+    each HF cache equal to the ring's, the floor's bytes the weights plus W + 1 tokens' K, V."""
+    from ringviz.bench.generate_long import GENERATE_LONG_IMPLS, generate_long_rows
+    from ringviz.bench.report import figures
+    from tests.tiny_models import tiny_mistral
+
+    models = {}
+
+    def model_for(window):
+        models[window] = tiny_mistral(window=window, dtype=torch.float32)
+        return models[window]
+
+    text = torch.randint(3, 97, (40,), generator=torch.Generator().manual_seed(0))
+    rows = generate_long_rows(cases=((4, 1), (6, 2)), new_tokens=5, reps=2, extra_prompt=3,
+                              load=(model_for, lambda n: text[:n]), log=lambda m: None,
+                              bandwidth_bytes=1 << 16)
+    assert [(r["impl"], r["window"], r["batch"]) for r in rows] == [
+        (impl, w, b) for w, b in ((4, 1), (6, 2)) for impl in GENERATE_LONG_IMPLS]
+    for r in rows:
+        for field, kind in LONG_FIELDS.items():
+            assert isinstance(r[field], kind), (field, r[field])
+        assert r["tokens_match_ring"] is True
+        assert r["prompt_tokens"] == r["window"] + 3 and len(r["seconds"]) == r["reps"] == 2
+        assert len(r["over_floor"]) == len(r["copy_bandwidth_Bps"]) == 2
+        config = models[r["window"]].config
+        per_token = 2 * config.num_hidden_layers * r["batch"] * config.num_key_value_heads * \
+            config.head_dim * 4
+        weights = sum(p.numel() * 4 for p in models[r["window"]].parameters())
+        assert r["step_bytes"] == {"weights": weights, "kv_read": r["window"] * per_token,
+                                   "kv_write": per_token,
+                                   "total": weights + (r["window"] + 1) * per_token}
+    got = figures(rows)
+    assert got["generate_long_tokens_match_W4_B1"] and got["generate_long_tokens_match_W6_B2"]
+    assert got["generate_long_ring_over_hf_static_W6_B2_min"] <= \
+        got["generate_long_ring_over_hf_static_W6_B2"]
+
+
+def test_generate_long_rejects_bad_input():
+    from ringviz.bench.generate_long import generate_long_rows
+
+    for bad in ({"reps": 0}, {"new_tokens": 1}, {"cases": ((1, 1),)}, {"cases": ()}):
+        with pytest.raises(ValueError):
+            generate_long_rows(**bad, load=(None, None))
 
 
 def test_mlx_peer_attends_like_the_ring():

@@ -4,7 +4,9 @@ The path must name at least six sections of chapters that exist, each by a link 
 section (``[Chapter N, *Title*](../notebooks/NN_name.ipynb#title-slug)``, the ids MyST gives
 headings with ``myst_heading_anchors``) with a time in minutes; the titles must be headings of the
 linked chapter and the anchors their slugs, so a renamed section breaks this test rather than the
-reader's path. The
+reader's path. The path must take in the two sections a reader needs to trust the ring: chapter
+3's argument that decode does not need slot order, and chapter 6's failure of that ring on a
+chunk, which motivates attend-then-write. The
 symptom page must hold at least ten symptom sections, each with its own label, linked from the
 table at its top, and each linking a chapter that exists.
 """
@@ -23,6 +25,10 @@ SYMPTOMS = ROOT / "notebooks" / "when_it_breaks.ipynb"
 PATH_HEADING = "## A 30-minute path"
 MIN_PATH_ITEMS = 6
 MIN_SYMPTOMS = 10
+ON_THE_PATH = (  # (chapter, section) the path must link
+    ("03_ring_indexing.ipynb", "Decode does not need order"),
+    ("06_prefill.ipynb", "Chapter 3's ring on a chunk"),
+)
 
 _ITEM = re.compile(r"^\d+\. (.*?)(?=^\d+\. |^\S|\Z)", re.M | re.S)
 _DOC = re.compile(r"\]\(([^)#\s]+)#([\w-]+)\)")
@@ -89,6 +95,24 @@ def test_the_path_links_six_sections_that_exist():
         assert doc.group(2) == slug(name), f"the link to {name!r} goes to #{doc.group(2)}"
         seen.add((chapter.name, name))
     assert len(seen) == len(items), "a section appears twice on the path"
+
+
+def path_sections(intro: str, page: Path = INTRO) -> set[tuple[str, str]]:
+    """(chapter file, section title) of every section the path links, by its anchor."""
+    found = set()
+    for item in path_items(intro):
+        for target, anchor in _DOC.findall(item):
+            chapter = resolve(target, page)
+            if chapter is not None:
+                found |= {(chapter.name, h) for h in headings(chapter) if slug(h) == anchor}
+    return found
+
+
+@pytest.mark.parametrize("chapter,section", ON_THE_PATH)
+def test_the_path_links_the_sections_that_make_the_case(chapter, section):
+    assert section in headings(ROOT / "notebooks" / chapter), f"{chapter} has no {section!r}"
+    assert (chapter, section) in path_sections(INTRO.read_text()), \
+        f"the 30-minute path does not link {chapter}#{slug(section)}"
 
 
 def test_the_path_takes_about_half_an_hour():

@@ -396,3 +396,21 @@ def test_float32_rounding_at_float64_hints_at_dtype_float32():
     small = Failure("values", [1], [0], message="", max_error=5e-8)
     assert Report([small], examples=1, window=4, dtype="float32").hint() is None
     assert Report([small], examples=1, window=4).hint() is not None
+
+
+def test_a_ring_broken_twice_is_reported_for_both_properties():
+    """One stale key once the ring is full (W + 1 slots) and, in the same chunks, outputs
+    scaled by 1.01: every schedule that breaks one breaks the other, and the queries of such
+    a chunk that saw the right keys still break "values"."""
+    W = 4
+
+    def stale_and_scaled(step, q, k, v, p):
+        out = step(q, k, v, p)
+        return out * 1.01 if int(p.max()) >= W else out
+
+    report = check(_wrapped(ringviz_ring(W + 1), stale_and_scaled), window=W, examples=60)
+    assert report.properties() == ["window", "values"], str(report)
+    window, values = report.failures
+    assert window.difference() == ([], [window.position - W])  # the stale key
+    assert values.position < W <= max(sum(values.schedule) - 1, 0)
+    assert 1e-3 < values.max_error and "values:" in str(report)

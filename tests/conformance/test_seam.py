@@ -96,3 +96,41 @@ def test_prebuilt_rejects_bad_arguments(kwargs, error):
     shape = {"batch_size": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 8} | kwargs
     with pytest.raises(error):
         prebuilt(lambda spec: None)(**shape)
+
+
+def test_kwargs_forwarded_to_a_four_shape_builder_is_explained():
+    from ringviz import RingKVCache
+
+    def inner(*, batch_size, num_heads, num_kv_heads, head_dim):
+        return RingKVCache(batch_size, num_kv_heads, 4, head_dim).step
+
+    def make_step(**shape):  # forwards everything, dtype and device included
+        return inner(**shape)
+
+    (f,) = check(make_step, window=4, examples=5).failures
+    assert f.property == "error" and f.schedule == [1]
+    assert "make_step raised TypeError" in f.message
+    assert "unexpected keyword argument 'dtype'" in f.message
+    hint = " ".join(f.message.split("hint: ")[1].split())
+    assert "forward them" in hint and "name the four shapes" in hint
+    # either way out passes: the four shapes named, or dtype and device forwarded
+    named = lambda *, batch_size, num_heads, num_kv_heads, head_dim: inner(  # noqa: E731
+        batch_size=batch_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim)
+    assert check(named, window=4, examples=5, dtype=torch.float32).ok
+
+    def forwarded(**shape):
+        return ringviz_ring(4)(**shape)
+
+    assert check(forwarded, window=4, examples=5).ok
+
+
+def test_no_hint_for_other_errors():
+    from ringviz.conformance.seam import build_hint
+
+    def make_step(**shape):
+        raise TypeError("something else")
+
+    assert build_hint(make_step, TypeError("something else")) == ""
+    assert build_hint(lambda *, batch_size: None,
+                      TypeError("f() got an unexpected keyword argument 'dtype'")) == ""

@@ -1,9 +1,9 @@
-"""The book's teaching rings (chapters 3, 6, 7, 8) agree with the package's RingKVCache.
+"""The book's teaching rings (chapters 3, 6, 7, 9) agree with the package's RingKVCache.
 
 Each chapter defines its ring in one notebook cell (by cell id); the test loads that cell's code,
 as the reader retypes it, and runs it side by side with :class:`ringviz.RingKVCache` over the
 schedules the chapter claims it handles: decode only (3), any chunks (6), ragged left-padded
-batches (7), and sinks (8). Padding queries are compared too (both give zeros).
+batches (7), and sinks (9). Padding queries are compared too (both give zeros).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ringviz import RingKVCache
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 CELLS = {"Ring": ("03_ring_indexing", "ch03-ring"), "ChunkRing": ("06_prefill", "ch06-ring"),
-         "BatchRing": ("07_batching", "ch07-ring"), "SinkRing": ("09_sinks", "ch08-ring")}
+         "BatchRing": ("07_batching", "ch07-ring"), "SinkRing": ("09_sinks", "ch09-ring")}
 
 
 def cell_source(notebook: str, cell_id: str) -> str:
@@ -47,7 +47,7 @@ def unmarked(source: str) -> str:
 @pytest.mark.parametrize("earlier, later", [
     (("03_ring_indexing", "ch03-ring"), ("06_prefill", "ch06-ring3")),
     (("06_prefill", "ch06-ring"), ("07_batching", "ch07-ring6")),
-    (("07_batching", "ch07-ring"), ("09_sinks", "ch08-ring7")),
+    (("07_batching", "ch07-ring"), ("09_sinks", "ch09-ring7")),
     (("06_prefill", "ch06-ring"), ("11_real_models", "ch11-ring6"))])
 def test_each_chapter_starts_from_the_previous_ring(earlier, later):
     """The hidden copy a chapter starts from is an earlier chapter's ring, unchanged (chapter 11's
