@@ -23,13 +23,14 @@ Face's multi-turn convention): each repetition is ``new_tokens`` decode steps ov
 window. One repetition runs the three caches in a rotated order; ratios are paired inside a
 repetition. The tokens of every cache must equal the ring's, repetition by repetition.
 
-The floor: one decode step must read the weights, read the ``W`` keys and values of every
-layer that attention uses, and write one token's. Those bytes over this process's copy
-bandwidth (:func:`copy_bandwidth`, a STREAM-style copy timed before each repetition) are the
-time per step no cache can beat on this machine; each cache's time per step over it is
-reported. Peak RSS: the growth of the kernel's peak-RSS mark (reset just before) over the RSS
-at the start of each timed call, in this process (the transient memory a decode allocates on
-top of the cache it holds; ``cache_bytes`` is what the cache itself holds).
+The floor: one decode step must read the weights, read the ``W`` keys and values of every layer
+that attention uses, and write one token's. Those bytes over this process's copy bandwidth
+(:func:`copy_bandwidth`, a STREAM-style copy timed just before each timed call, so that a
+loaded machine's bandwidth is read when the call runs) are the time per step no cache can beat
+on this machine; each call's time per step over its own floor is reported. Peak RSS: the growth
+of the kernel's peak-RSS mark (reset just before) over the RSS at the start of each timed call,
+in this process (the transient memory a decode allocates on top of the cache it holds;
+``cache_bytes`` is what the cache itself holds).
 """
 
 from __future__ import annotations
@@ -88,10 +89,11 @@ def smollm2_sliding(device: torch.device | None = None):
     return partial(as_sliding, model), partial(tiled, text)
 
 
-def copy_bandwidth(nbytes: int = 1 << 28, reps: int = 5, device: torch.device | None = None
+def copy_bandwidth(nbytes: int = 1 << 29, reps: int = 5, device: torch.device | None = None
                    ) -> float:
     """Bytes per second of a STREAM-style copy ``b[:] = a`` of ``nbytes`` (read + write counted,
-    as STREAM does), the median of ``reps`` copies after one untimed."""
+    as STREAM does), the median of ``reps`` copies after one untimed. The default, two buffers
+    of 512 MiB, is larger than the last-level cache of the CPUs this book runs on."""
     a = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
@@ -167,7 +169,7 @@ def _measured(call: Callable[[], torch.Tensor], device: torch.device
 def generate_long_rows(*, cases: tuple[tuple[int, int], ...] = GENERATE_LONG_CASES,
                        new_tokens: int = 64, reps: int = 3, extra_prompt: int = 128,
                        device: torch.device | None = None, load=None, log=print,
-                       bandwidth_bytes: int = 1 << 28) -> list[dict]:
+                       bandwidth_bytes: int = 1 << 29) -> list[dict]:
     """``bench="generate_long"`` rows: one per (impl, W, B), every repetition's seconds.
 
     ``load``: ``(model_for, prompt_for)`` as :func:`smollm2_sliding` returns (the default);
@@ -197,12 +199,12 @@ def generate_long_rows(*, cases: tuple[tuple[int, int], ...] = GENERATE_LONG_CAS
                 f"{prefill_s[impl]:.1f} s")
         seconds = {impl: [] for impl in GENERATE_LONG_IMPLS}
         peaks = {impl: [] for impl in GENERATE_LONG_IMPLS}
+        bandwidth = {impl: [] for impl in GENERATE_LONG_IMPLS}  # measured just before each call
         match = {impl: torch.equal(seqs[impl], seqs["ring"]) for impl in GENERATE_LONG_IMPLS}
-        bandwidth = []
         names = list(GENERATE_LONG_IMPLS)
         for r in range(reps):
-            bandwidth.append(copy_bandwidth(bandwidth_bytes, device=device))
             for impl in names[r % 3:] + names[:r % 3]:
+                bandwidth[impl].append(copy_bandwidth(bandwidth_bytes, device=device))
                 seqs[impl], dt, peak = _measured(partial(
                     _generate, impl, model, seqs[impl], caches[impl], new_tokens), device)
                 seconds[impl].append(dt)
@@ -210,13 +212,13 @@ def generate_long_rows(*, cases: tuple[tuple[int, int], ...] = GENERATE_LONG_CAS
             for impl in names:
                 match[impl] = match[impl] and torch.equal(seqs[impl], seqs["ring"])
             log(f"generate_long W={window} B={batch} rep {r + 1}/{reps}: " + ", ".join(
-                f"{impl} {seconds[impl][-1]:.1f} s" for impl in names) +
-                f"; copy {bandwidth[-1] / 1e9:.1f} GB/s")
+                f"{impl} {seconds[impl][-1]:.1f} s ({bandwidth[impl][-1] / 1e9:.1f} GB/s)"
+                for impl in names))
         moved = step_bytes(model, window, batch)
-        floor = moved["total"] / np.asarray(bandwidth)  # seconds per step, per repetition
         config = model.config
         for impl in names:
             per_step = np.asarray(seconds[impl]) / new_tokens
+            floor = moved["total"] / np.asarray(bandwidth[impl])  # s per step, per call
             rows.append({
                 "bench": "generate_long", "impl": impl, "model": "smollm2-sliding",
                 "window": window, "batch": batch, "layers": config.num_hidden_layers,
@@ -226,7 +228,7 @@ def generate_long_rows(*, cases: tuple[tuple[int, int], ...] = GENERATE_LONG_CAS
                 "new_tokens": new_tokens, "reps": reps, "seconds": seconds[impl],
                 "prefill_s": prefill_s[impl],
                 "tokens_per_s": float(batch * new_tokens / np.median(seconds[impl])),
-                "step_bytes": moved, "copy_bandwidth_Bps": [float(x) for x in bandwidth],
+                "step_bytes": moved, "copy_bandwidth_Bps": [float(x) for x in bandwidth[impl]],
                 "floor_s_per_step": float(np.median(floor)),
                 "over_floor": [float(x) for x in per_step / floor],
                 "peak_rss_growth_bytes": int(max(peaks[impl])),

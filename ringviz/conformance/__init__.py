@@ -5,9 +5,10 @@ positions ``max(0, p - W + 1) .. p``, plus ``0 .. sinks - 1`` when the cache kee
 sinks, of its own row (after a rewind, the keys fed last at those positions and not
 forgotten), whatever chunk sizes the tokens arrive in (single tokens, chunks shorter
 and longer than ``W``, chunks that wrap the ring, runs of each) and for rows that start at
-different times (``ragged=True``: left padding, position -1). And its output is the softmax
-attention over those keys (scale ``1/sqrt(D)``); a padding query's output may be anything
-finite.
+different times (``ragged=True``: left padding, position -1) or, with ``padding="any"``, pad
+anywhere after they start (right padding, mid-row gaps: rows not in lock-step). And its
+output is the softmax attention over those keys (scale ``1/sqrt(D)``); a padding query's
+output may be anything finite.
 
 ``make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype, device)`` builds a fresh
 cache (``dtype`` and ``device`` those of the kit's tensors, so it can allocate up front) and
@@ -20,7 +21,7 @@ and masks):
 ========================  ====================================  ==============================
 ``q``                     ``(B, Hq, T, D)``                     list of B ``(Hq, n_b, D)``
 ``k``, ``v``              ``(B, Hkv, T, D)``                    list of B ``(Hkv, n_b, D)``
-``positions``             ``(B, T)`` int64, -1 = left padding   list of B ``(n_b,)`` int64
+``positions``             ``(B, T)`` int64, -1 = padding        list of B ``(n_b,)`` int64
 ``out``                   ``(B, Hq, T, D)``                     list of B ``(Hq, n_b, D)``
 ========================  ====================================  ==============================
 

@@ -14,6 +14,19 @@ them. Each adapter here answers them for one shape of cache that runs in the fie
   decode are merged into one batch for the step and split again.
 * :func:`speculative_layer`: a speculative decoder's cache, with ``rewind(n)``: transformers'
   layer recording its past, rolled back with ``crop(-n)`` as assisted decoding does.
+
+**A window larger than a cache's constants.** The kit checks at a small window (4 to 8) so
+that a failure shrinks to a schedule of a few tokens. A cache that allocates in fixed blocks
+then runs another code path than in production: mlx-lm's ``RotatingKVCache`` grows its
+buffer ``step = 256`` slots at a time, up to ``max_size``, so at W = 6 it takes all six slots
+on its first write, and the grow-and-copy path that runs three times on the way to
+W = 1024 never runs at all. A bug on that path (an overflow at a block's end, a copy that
+drops the last block) is invisible to a check at W = 6: with a grow size of 512, only windows
+over 512 reach it.
+Scale such constants down with the window, in the adapter, so that the small window spans
+several blocks: :func:`mlx_cache_small_blocks` sets ``cache.step = 2``, and the cache grows
+twice before W = 6 fills. The same holds for a page size, a chunk limit, a
+preallocation length: each number that a window of 6 never reaches.
 """
 
 from __future__ import annotations
@@ -69,6 +82,28 @@ def mlx_cache(window: int) -> MakeStep:
             return torch.from_numpy(np.array(out)).to(q.dtype)
 
         return step
+
+    return make_step
+
+
+def mlx_cache_small_blocks(window: int, step: int = 2) -> MakeStep:
+    """:func:`mlx_cache` with the cache's block size scaled down to ``step`` slots (its class
+    constant ``step = 256``), so a small window takes several grows before it wraps."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import RotatingKVCache
+
+    def make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype, device):
+        cache = RotatingKVCache(max_size=window)
+        cache.step = step  # an instance attribute: the class's 256 for every other cache
+
+        def step_fn(q, k, v, positions):
+            mask = cache.make_mask(q.shape[2], window_size=window)  # before the update
+            keys, values = cache.update_and_fetch(mx.array(k.numpy()), mx.array(v.numpy()))
+            out = mx.fast.scaled_dot_product_attention(
+                mx.array(q.numpy()), keys, values, scale=q.shape[-1] ** -0.5, mask=mask)
+            return torch.from_numpy(np.array(out)).to(q.dtype)
+
+        return step_fn
 
     return make_step
 

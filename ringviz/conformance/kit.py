@@ -32,7 +32,7 @@ from ringviz.conformance.probe import (
     head_dim_for,
 )
 from ringviz.conformance.report import PROPERTIES, Failure, Report
-from ringviz.conformance.schedule import schedules
+from ringviz.conformance.schedule import PADDINGS, schedules
 from ringviz.conformance.seam import StepSpec, make
 
 
@@ -57,7 +57,7 @@ def _leaves(err: BaseException) -> list[BaseException]:
 
 def _check_args(make_step: object, window: object, sinks: object, batch_size: object,
                 ragged: object, examples: object, seed: object, dtype: object,
-                max_chunk: object, rewind: object, layout: object) -> None:
+                max_chunk: object, rewind: object, layout: object, padding: object) -> None:
     if not callable(make_step):
         raise TypeError(f"make_step must be callable, got {type(make_step).__name__}")
     check_int("window", window)
@@ -78,6 +78,14 @@ def _check_args(make_step: object, window: object, sinks: object, batch_size: ob
         raise TypeError(f"rewind must be a bool, got {type(rewind).__name__}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if padding not in PADDINGS:
+        raise ValueError(f"padding must be one of {PADDINGS}, got {padding!r}")
+    if padding == "any" and not ragged:
+        raise ValueError("padding='any' pads rows anywhere, so they are not in lock-step: it "
+                         "needs ragged=True (and batch_size >= 2)")
+    if padding == "any" and rewind:
+        raise ValueError("padding='any' and rewind=True do not combine: a rewind forgets real "
+                         "tokens of every row, which rows that pad anywhere do not share")
 
 
 def _check_rewind(make_step: MakeStep, batch_size: int, dtype: torch.dtype,
@@ -100,7 +108,7 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
           dtype: torch.dtype = torch.float64, max_chunk: int | None = None,
           device: torch.device | str = "cpu", name: str = "",
           progress: Callable[[int], None] | None = None, rewind: bool = False,
-          layout: str = "padded") -> Report:
+          layout: str = "padded", padding: str = "left") -> Report:
     """Check a sliding-window cache on ``examples`` schedules; a :class:`Report`, never a raise.
 
     ``make_step``, and the contract its cache is held to: :mod:`ringviz.conformance`.
@@ -108,14 +116,16 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
     each schedule run. ``rewind=True`` also draws schedules that rewind
     (:class:`~ringviz.conformance.Rewind`); the step must have a method ``rewind(n)``
     (TypeError, before any schedule, if it has none). ``layout="rows"`` hands each chunk over
-    as each row's real tokens, no padding.
+    as each row's real tokens, no padding. ``padding="any"`` (with ``ragged=True``) also pads
+    rows after they start: right padding and mid-row gaps, rows not in lock-step; a failure
+    then shows each row's positions (:meth:`~ringviz.conformance.Failure.where`).
 
     >>> from ringviz.conformance.adapters import ringviz_ring
     >>> check(ringviz_ring(4), window=4, examples=10).ok
     True
     """
     _check_args(make_step, window, sinks, batch_size, ragged, examples, seed, dtype, max_chunk,
-                rewind, layout)
+                rewind, layout, padding)
     device = torch.device(device)
     if rewind:
         _check_rewind(make_step, batch_size, dtype, device)
@@ -130,7 +140,7 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
                   print_blob=False)
         @hypothesis_seed(seed)
         @given(schedules(window=window, sinks=sinks, batch_size=batch_size, ragged=ragged,
-                         max_chunk=max_chunk, rewind=rewind))
+                         max_chunk=max_chunk, rewind=rewind, padding=padding))
         def conforms(schedule) -> None:
             state["runs"] += 1
             try:
@@ -181,7 +191,7 @@ def check(make_step: MakeStep, *, window: int, sinks: int = 0, batch_size: int =
                   skipped=state["skipped"], window=window, sinks=sinks,
                   batch_size=batch_size, ragged=ragged, max_chunk=max_chunk, seed=seed,
                   name=name, dtype=str(dtype).removeprefix("torch."), rewind=rewind,
-                  layout=layout)
+                  layout=layout, padding=padding)
 
 
 def _one_per_property(failures: list[Failure]) -> list[Failure]:

@@ -100,10 +100,11 @@ def get(name: str) -> Peer:
 
 def run(name: str, *, window: int = 6, sinks: int | None = None, examples: int = 100,
         seed: int = 0, max_chunk: int | None = None,
-        progress: Callable[[int], None] | None = None) -> Report:
+        progress: Callable[[int], None] | None = None, padding: str = "left") -> Report:
     """Check peer ``name``: its default sinks unless given, a ragged batch of 2 if it takes
     padding (else its own batch size), in its dtype, its layout, with rewinds if it takes
-    them."""
+    them. ``padding="any"`` pads its ragged rows anywhere too (a peer without padding, or one
+    that rewinds, is checked as ever)."""
     peer = get(name)
     sinks = peer.default_sinks if sinks is None else sinks
     make_step = peer.build(window, sinks)
@@ -111,7 +112,8 @@ def run(name: str, *, window: int = 6, sinks: int | None = None, examples: int =
     return check(make_step, window=window, sinks=sinks, batch_size=batch,
                  ragged=peer.ragged, examples=examples, seed=seed, dtype=peer.dtype,
                  max_chunk=max_chunk, name=name, progress=progress, rewind=peer.rewind,
-                 layout=peer.layout)
+                 layout=peer.layout,
+                 padding=padding if peer.ragged and not peer.rewind else "left")
 
 
 def setting(report: Report) -> str:

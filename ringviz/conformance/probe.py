@@ -295,7 +295,9 @@ def _window(schedule: Schedule, positions: torch.Tensor, mask: torch.Tensor,
 def schedule_failure(prop: str, schedule: Schedule, **details: object) -> Failure:
     """A Failure of ``prop`` shown by ``schedule`` (its chunks, offsets and rewinds)."""
     return Failure(prop, list(schedule.chunks), list(schedule.offsets),
-                   rewinds=list(schedule.rewinds), **details)
+                   rewinds=list(schedule.rewinds),
+                   pads=[list(p) for p in schedule.pads] if schedule.gapped else [],
+                   **details)
 
 
 def random_outputs(make_step: MakeStep, schedule: Schedule, positions: torch.Tensor,

@@ -9,8 +9,9 @@ A failure names the property it breaks:
   a rewind had forgotten). ``expected_mask`` and ``seen_mask`` are the whole row's query x key
   grids for the failing schedule (by fed column: by position unless it rewinds),
   ``seen_blank`` and ``seen_other_rows`` each query's count of keys outside them.
-* ``"padding"``: a padding query (position -1, a ragged row's left padding) output a NaN or an
-  inf (``bad_value``). Its output may be anything else, but it must be finite: the next layer
+* ``"padding"``: a padding query (position -1: a ragged row's left padding, or with
+  ``padding="any"`` its right padding and mid-row gaps) output a NaN or an inf
+  (``bad_value``). Its output may be anything else, but it must be finite: the next layer
   mixes it into every real token of the row (chapter 5). Only ragged checks have padding.
 * ``"values"``: a real query saw the right keys, but its output is off a float64 softmax over
   them by ``max_error``, more than the dtype allows.
@@ -61,19 +62,31 @@ class Failure:
     bad_value: str | None = None  # "padding": "nan" or "inf"
     rewinds: list[Rewind] = field(default_factory=list)  # the schedule's rewinds
     forgotten: list[int] | None = None  # "window": seen keys that a rewind forgot
+    pads: list[list[int]] = field(default_factory=list)  # per row: pad columns after its start
 
     def __post_init__(self) -> None:
         if self.property not in PROPERTIES:
             raise ValueError(f"property must be one of {PROPERTIES}, got {self.property!r}")
 
     def where(self) -> str:
-        """Schedule (and offsets, for a ragged batch) in words."""
+        """Schedule (and offsets, for a ragged batch; each row's positions where rows pad
+        after they start) in words."""
         text = f"chunks {self.schedule}"
         if any(self.offsets):
             text += f", rows start at columns {self.offsets}"
+        if any(self.pads):
+            text += ", rows pad after they start: positions " + "; ".join(
+                f"row {b} {row}" for b, row in enumerate(self.positions()))
         for r in self.rewinds:
             text += f", {Rewind(*r)}"
         return text
+
+    def positions(self) -> list[list[int]]:
+        """Each row's position per column (-1: padding), the layout the schedule drew."""
+        from ringviz.conformance.schedule import Schedule
+
+        return Schedule(tuple(self.schedule), tuple(self.offsets), tuple(self.rewinds),
+                        tuple(map(tuple, self.pads))).positions().tolist()
 
     def difference(self) -> tuple[list[int], list[int]]:
         """``(missing, extra)``: expected keys not seen, seen keys not expected (with repeats)."""
@@ -130,6 +143,7 @@ class Report:
     dtype: str = "float64"  # the dtype the check ran in
     rewind: bool = False  # schedules rewound (the step's rewind(n) was checked)
     layout: str = "padded"  # how chunks were handed over: "padded" or "rows"
+    padding: str = "left"  # where rows pad: "left" (before they start) or "any"
 
     @property
     def ok(self) -> bool:
@@ -143,6 +157,7 @@ class Report:
         """The setting's options that are on, for its text: ``", chunks <= 4, rewinds"``."""
         return ((f", chunks <= {self.max_chunk}" if self.max_chunk else "")
                 + (", rewinds" if self.rewind else "")
+                + (", padding anywhere" if self.padding == "any" else "")
                 + (", rows layout" if self.layout == "rows" else ""))
 
     def to_dict(self) -> dict:
@@ -151,7 +166,7 @@ class Report:
                 "window": self.window, "sinks": self.sinks, "batch_size": self.batch_size,
                 "ragged": self.ragged, "max_chunk": self.max_chunk, "seed": self.seed,
                 "skipped": self.skipped, "dtype": self.dtype, "rewind": self.rewind,
-                "layout": self.layout,
+                "layout": self.layout, "padding": self.padding,
                 "failures": [asdict(f) for f in self.failures]}
 
     def __str__(self) -> str:

@@ -4,7 +4,11 @@ where it rewinds.
 A :class:`Schedule` is a list of chunk sizes (1 = a decode step) plus, for a ragged batch, each
 row's start column: row ``b`` is left-padded with ``offsets[b]`` padding tokens (position -1),
 then counts positions 0, 1, 2, ... . Every row takes the same chunk sizes, as a batched
-``generate`` feeds a left-padded batch.
+``generate`` feeds a left-padded batch. With ``pads``, a row also pads *after* it started:
+``pads[b]`` lists the further columns where row ``b`` holds a padding token (its positions go
+on counting after them), which is how right padding (a prompt padded to the batch's longest,
+generation after the pads), a row that idles a step in a padded batch, and a finished row
+look to a cache: rows no longer in lock-step.
 
 A schedule may also **rewind** (:class:`Rewind`): after chunk ``after``, every row forgets its
 newest ``n`` tokens, as a speculative decoder forgets rejected drafts or a prompt cache trims a
@@ -29,6 +33,8 @@ schedule towards fewer, smaller chunks, smaller offsets, fewer and smaller rewin
 ([[0, 1, 2, 1, 2]], [[0, 1, 2, 3, 4]])
 >>> Schedule(chunks=(3, 2), rewinds=(Rewind(0, 2, same=True),)).token_ids().tolist()
 [[0, 1, 2, 1, 2]]
+>>> Schedule(chunks=(3, 2), offsets=(0, 1), pads=((), (2, 3))).positions().tolist()
+[[0, 1, 2, 3, 4], [-1, 0, -1, -1, 1]]
 """
 
 from __future__ import annotations
@@ -75,10 +81,26 @@ class Schedule:
     chunks: tuple[int, ...]
     offsets: tuple[int, ...] = (0,)
     rewinds: tuple[Rewind, ...] = ()
+    pads: tuple[tuple[int, ...], ...] = ()  # per row: padding columns after its left padding
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "rewinds", tuple(Rewind(*r) for r in self.rewinds))
+        object.__setattr__(self, "pads", tuple(tuple(sorted(set(p))) for p in self.pads))
+        if self.pads and len(self.pads) != len(self.offsets):
+            raise ValueError(f"pads needs one tuple of columns per row ({len(self.offsets)}), "
+                             f"got {len(self.pads)}")
+        if any(not 0 <= c < self.columns for p in self.pads for c in p):
+            raise ValueError(f"pad columns must lie in 0 .. {self.columns - 1}, got "
+                             f"{[list(p) for p in self.pads]}")
+        if self.rewinds and self.gapped:
+            raise ValueError("a schedule pads rows after they start or rewinds, not both "
+                             "(a rewind forgets real tokens of every row)")
         self._trace  # noqa: B018 -- a rewind the schedule cannot make raises here
+
+    @property
+    def gapped(self) -> bool:
+        """Some row pads after it started (right padding, a gap mid-row)."""
+        return any(c >= o for p, o in zip(self.pads, self.offsets) for c in p)
 
     @cached_property
     def _trace(self) -> _Trace:
@@ -130,10 +152,16 @@ class Schedule:
         return len(self.offsets)
 
     def positions(self) -> torch.Tensor:
-        """``(B, N)`` int64 absolute position of each fed column, -1 for a row's left padding."""
+        """``(B, N)`` int64 absolute position of each fed column, -1 for a row's padding."""
         index = torch.tensor(self._trace.index, dtype=torch.int64)
         pos = index[None, :] - torch.tensor(self.offsets)[:, None]
-        return pos.masked_fill(pos < 0, -1)
+        if not self.gapped:
+            return pos.masked_fill(pos < 0, -1)
+        pad = pos < 0
+        for b, cols in enumerate(self.pads):
+            pad[b, list(cols)] = True
+        # no rewinds here: a row's real columns count 0, 1, 2, ... in time order
+        return torch.where(pad, -1, (~pad).long().cumsum(dim=1) - 1)
 
     def sources(self) -> torch.Tensor:
         """``(N,)`` int64: the column whose key each column feeds (itself, unless a rewind with
@@ -195,9 +223,21 @@ def fit_rewinds(chunks: tuple[int, ...], offsets: tuple[int, ...],
     return tuple(out)
 
 
+MAX_GAPS = 2  # runs of padding per row after it started, with padding="any"
+PADDINGS = ("left", "any")
+
+
+def gap_columns(runs: list[tuple[int, int]], offset: int, columns: int) -> tuple[int, ...]:
+    """The padding columns of a row from drawn runs ``(start, length)``: those at or after the
+    row's left padding ``offset`` and before the schedule's end (a run past the last column is
+    right padding, cut there)."""
+    return tuple(sorted({c for start, n in runs for c in range(start, start + n)
+                         if offset <= c < columns}))
+
+
 def schedules(*, window: int, sinks: int, batch_size: int, ragged: bool,
-              max_chunk: int | None = None,
-              rewind: bool = False) -> st.SearchStrategy[Schedule]:
+              max_chunk: int | None = None, rewind: bool = False,
+              padding: str = "left") -> st.SearchStrategy[Schedule]:
     """Hypothesis strategy of schedules for a cache of ``window`` (+ ``sinks``) keys.
 
     Chunk sizes lean towards 1 (decode steps) and shrink towards them; a list of chunks is cut
@@ -206,7 +246,10 @@ def schedules(*, window: int, sinks: int, batch_size: int, ragged: bool,
     With ``rewind``, a schedule of two chunks or more also rewinds, 1 to :data:`MAX_REWINDS`
     times after chunks drawn anywhere (before and after the wrap), each by ``n`` tokens: up
     to the longest chunk of :func:`default_limits`, leaning towards 1 to 3 (a few drafts), and
-    never more than the row that started last holds (:func:`fit_rewinds`).
+    never more than the row that started last holds (:func:`fit_rewinds`). With
+    ``padding="any"`` (ragged rows, no rewinds), each row also pads after it started: up to
+    :data:`MAX_GAPS` runs of 1 to ``window + sinks`` padding columns anywhere (mid-row gaps,
+    right padding), shrinking towards fewer and shorter runs (:func:`gap_columns`).
     """
     max_tokens, default_chunk = default_limits(window, sinks)
     top = default_chunk if max_chunk is None else max_chunk
@@ -229,11 +272,16 @@ def schedules(*, window: int, sinks: int, batch_size: int, ragged: bool,
             offsets = tuple(o - low for o in offs)
         else:
             offsets = (0,) * batch_size
+        pads: tuple[tuple[int, ...], ...] = ()
+        if padding == "any":
+            run = st.tuples(st.integers(0, max(total - 1, 0)), st.integers(1, window + sinks))
+            pads = tuple(gap_columns(draw(st.lists(run, max_size=MAX_GAPS)), o, total)
+                         for o in offsets)
         rewinds: tuple[Rewind, ...] = ()
         if rewind and len(chunks) > 1:
             drawn = draw(st.lists(st.tuples(st.integers(0, len(chunks) - 2), forget,
                                             st.booleans()), min_size=1, max_size=MAX_REWINDS))
             rewinds = fit_rewinds(tuple(chunks), offsets, drawn)
-        return Schedule(tuple(chunks), offsets, rewinds)
+        return Schedule(tuple(chunks), offsets, rewinds, pads)
 
     return draw_schedule()

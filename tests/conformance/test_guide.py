@@ -3,7 +3,13 @@
 import torch
 
 from ringviz.conformance import check
-from ringviz.conformance.guide import hf_layer, mlx_cache, server_rows, speculative_layer
+from ringviz.conformance.guide import (
+    hf_layer,
+    mlx_cache,
+    mlx_cache_small_blocks,
+    server_rows,
+    speculative_layer,
+)
 
 
 def test_hf_layer_passes():
@@ -35,3 +41,22 @@ def test_readme_shows_the_guide_as_it_is():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     for name in ("hf_layer", "mlx_cache", "server_rows", "SpeculativeStep", "speculative_layer"):
         assert inspect.getsource(getattr(guide, name)).rstrip("\n") in readme, name
+
+
+def test_small_blocks_grow_several_times_before_the_window_fills_and_pass():
+    import mlx.core as mx
+    from mlx_lm.models.cache import RotatingKVCache
+
+    def sizes(step):
+        cache = RotatingKVCache(max_size=6)
+        cache.step = step
+        seen = []
+        for _ in range(8):
+            x = mx.zeros((1, 1, 1, 8))
+            cache.update_and_fetch(x, x)
+            seen.append(cache.keys.shape[2])
+        return sorted(set(seen))
+
+    assert sizes(256) == [6]  # the class's block: one allocation, no grow path at W = 6
+    assert sizes(2) == [2, 4, 6]  # scaled down: it grows, and copies, twice
+    assert check(mlx_cache_small_blocks(6), window=6, examples=40, dtype=torch.float32).ok
