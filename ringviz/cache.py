@@ -75,6 +75,7 @@ from ringviz.checks import (
     check_query,
     check_scale,
     check_sink_rope,
+    check_storage,
     check_tensor,
     missing_positions,
 )
@@ -195,6 +196,18 @@ def step_key_positions(stored: torch.Tensor | None, q_positions: torch.Tensor, s
     return torch.where((slots == home) & (q_positions >= 0), q_positions, stored)
 
 
+def storage_bytes(batch_size: int, num_kv_heads: int, slots: int, head_dim: int,
+                  dtype: torch.dtype) -> int:
+    """Bytes of a ring's storage (:attr:`RingKVCache.nbytes`) for ``slots = S + C``: keys and
+    values ``(B, Hkv, slots + 1, D)`` and positions ``(B, slots + 1)``, the spare included.
+
+    >>> storage_bytes(1, 1, 4, 2, torch.float32)  # 2 * 5 * 2 * 4 + 5 * 8
+    120
+    """
+    itemsize = torch.empty((), dtype=dtype, device="meta").element_size()
+    return batch_size * (slots + 1) * (2 * num_kv_heads * head_dim * itemsize + 8)
+
+
 class Told(NamedTuple):
     """What one call tells a ring about its rows, learned without reading the ring back.
 
@@ -234,9 +247,13 @@ class RingKVCache:
         sinks = check_int("sinks", sinks, minimum=0)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
-        self.sink_rope = check_sink_rope(sink_rope, sinks, head_dim, dtype,
-                                         torch.empty(0, device=device).device)
         capacity = window if capacity is None else check_int("capacity", capacity, window)
+        device = torch.empty(0, device=device).device  # "cuda" -> cuda:0; None -> the default
+        check_storage(f"RingKVCache(batch_size={batch_size}, num_kv_heads={num_kv_heads}, "
+                      f"sinks + capacity={sinks + capacity}, head_dim={head_dim}, {dtype})",
+                      storage_bytes(batch_size, num_kv_heads, sinks + capacity, head_dim, dtype),
+                      device)
+        self.sink_rope = check_sink_rope(sink_rope, sinks, head_dim, dtype, device)
         self.batch_size, self.num_kv_heads = batch_size, num_kv_heads
         self.window, self.head_dim, self.sinks, self.capacity = window, head_dim, sinks, capacity
         n = sinks + capacity  # [sinks | ring]; slot n, outside the views, the spare
@@ -269,6 +286,19 @@ class RingKVCache:
         self._pos_base = torch.arange(B, device=self.device) * n1
         self._pos_rows = self._pos_store.view(-1)  # (B * (S + C + 1),)
         self._last_col = self._last_pos[:, None]  # (B, 1): a decode write's positions copy in
+
+    _VIEWS = ("k", "v", "positions", "_k_rows", "_v_rows", "_head_base", "_pos_base",
+              "_pos_rows", "_last_col")
+
+    def __getstate__(self) -> dict:
+        """The storage and what the host knows; the views are made again on unpickling
+        (pickle copies each view's bytes on its own, so it would cut them off the storage)."""
+        return {name: value for name, value in self.__dict__.items()
+                if name not in self._VIEWS}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._views()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -649,6 +679,9 @@ class RingKVCache:
                 ((index >= 0) & (index < self.batch_size)).all()):
             raise ValueError(f"index must hold rows in [0, {self.batch_size}), got "
                              f"{index.tolist()}")
+        if index.numel() > self.batch_size:  # more rows: new storage, checked before it is made
+            check_storage(f"take_rows of {index.numel()} rows",
+                          self.nbytes // self.batch_size * index.numel(), self.device)
         stores = (self._k_store, self._v_store, self._pos_store, self._last_pos)
         # each row's run goes with it; the smallest stays a lower bound; the newest are forgotten
         self._runs, self._newest = self._runs.index_select(0, index), None

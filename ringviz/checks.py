@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -52,6 +53,37 @@ def check_tensor(name: str, value: object, device: torch.device) -> torch.Tensor
     if value.device != device:
         raise ValueError(f"{name} is on {value.device}, the cache on {device}")
     return value
+
+
+def device_memory(device: torch.device) -> int | None:
+    """Bytes a tensor on ``device`` may take at most: the machine's physical memory on the
+    CPU (``os.sysconf``), the free memory on a CUDA device (``torch.cuda.mem_get_info``, what
+    an allocation can get now); None where not known (other device types)."""
+    if device.type == "cpu":
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return None
+
+
+def check_storage(what: str, nbytes: int, device: torch.device) -> None:
+    """Raise ValueError, before allocating, if ``nbytes`` of storage cannot fit ``device``
+    (:func:`device_memory`): a huge window would otherwise be zero-filled until the kernel
+    kills the process. ``device='meta'`` holds no data, so no storage can live there.
+
+    >>> check_storage("a ring", 2**70, torch.device("cpu"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: a ring needs 1099511627776.0 GiB of storage, more than the cpu's ... GiB ...
+    """
+    if device.type == "meta":
+        raise ValueError(f"{what} cannot live on device 'meta': a meta tensor holds no data, "
+                         f"so nothing written could be read back")
+    limit = device_memory(device)
+    if limit is not None and nbytes > limit:
+        where = "physical memory" if device.type == "cpu" else "free memory"
+        raise ValueError(f"{what} needs {nbytes / 2**30:.1f} GiB of storage, more than the "
+                         f"{device}'s {limit / 2**30:.1f} GiB of {where}: lower the window, "
+                         f"sinks, capacity or batch")
 
 
 def check_kv(k: object, v: object, *, batch_size: int, num_kv_heads: int, head_dim: int,
