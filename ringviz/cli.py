@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import unicodedata
 from collections.abc import Sequence
 
 from ringviz.checks import SINK_CONVENTIONS
@@ -42,11 +44,19 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+DEMO_SLOTS = 10**7  # the most slot numbers a demo shows (and keeps for --json): W per step
+
+
 def _cmd_demo(args: argparse.Namespace) -> dict:
     import numpy as np
 
     from ringviz.ring import RingKV
 
+    if args.window * args.tokens > DEMO_SLOTS:
+        raise ValueError(f"demo shows every slot at every step: --window {args.window} x "
+                         f"--tokens {args.tokens} is {args.window * args.tokens:,} slot "
+                         f"numbers, more than {DEMO_SLOTS:,}; pick a smaller --window or "
+                         f"--tokens")
     ring = RingKV(window=args.window, head_dim=1)
     steps = []
     for pos in range(args.tokens):
@@ -143,10 +153,31 @@ def _sink_convention(args: argparse.Namespace) -> str:
     return args.sink_convention or ("cache" if args.sinks else "absolute")
 
 
+def printable(text: str) -> str:
+    r"""``text`` with its control characters written as escapes (``\x1b``), newlines and tabs
+    kept: a prompt's or a reply's escape sequences never drive the terminal.
+
+    >>> printable("red \x1b[31m!\n")
+    'red \\x1b[31m!\n'
+    """
+    return "".join(ch if ch in "\n\t" or not _controls(ch) else ch.encode("unicode_escape")
+                   .decode("ascii") for ch in text)
+
+
+def _controls(ch: str) -> bool:
+    """A control character, or a bidirectional override (text that reorders the line)."""
+    return unicodedata.category(ch) == "Cc" or unicodedata.bidirectional(ch) in (
+        "LRE", "RLE", "LRO", "RLO", "PDF", "LRI", "RLI", "FSI", "PDI")
+
+
+def _show(text: str) -> None:
+    print(printable(text), end="", flush=True)
+
+
 def _cmd_generate(args: argparse.Namespace) -> dict:
     """Stream one continuation of ``--prompt`` through the ring, then its numbers."""
     chat = _conversation(args)
-    write = (lambda _: None) if args.json else (lambda t: print(t, end="", flush=True))
+    write = (lambda _: None) if args.json else _show
     result = chat.turn(args.prompt, max_new_tokens=args.max_new_tokens, write=write,
                        framed=False)
     return {"model": args.model, "window": chat.cache.window, "sinks": args.sinks,
@@ -160,16 +191,17 @@ def _cmd_chat(args: argparse.Namespace) -> dict:
           f"({chat.cache.sink_convention} positions); an empty line "
           f"ends, Ctrl-C stops a reply", file=sys.stderr)
     turns = []
-    while True:
+    while True:  # the prompts go to stderr: stdout holds the replies, then (--json) the result
+        print("you> ", end="", flush=True, file=sys.stderr)
         try:
-            text = input("you> ")
+            text = input()
         except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
             break
         if not text.strip():
             break
         print("model> ", end="", flush=True)
-        result = chat.turn(text, max_new_tokens=args.max_new_tokens,
-                           write=lambda t: print(t, end="", flush=True))
+        result = chat.turn(text, max_new_tokens=args.max_new_tokens, write=_show)
         turns.append(result)
         if not result["interrupted"]:
             print(f"[{result['new_tokens']} tokens, {result['tokens_per_s']:.1f} tokens/s; "
@@ -322,13 +354,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = args.func(args)
+        if args.json:
+            print(json.dumps(result, default=str))
+        elif args.command not in ("demo", "conform", "chat"):
+            print_human(result)
+        sys.stdout.flush()  # a closed pipe shows here, not at the interpreter's exit
+    except BrokenPipeError:  # the reader went away (``| head``): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except MemoryError as err:
+        print(f"error: out of memory ({err or 'an allocation failed'})", file=sys.stderr)
+        return 2
     except (ValueError, TypeError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(result, default=str))
-    elif args.command not in ("demo", "conform", "chat"):
-        print_human(result)
     if args.command == "conform" and result.get("ok") is False:
         return 1  # the cache broke the window contract
     return 0

@@ -91,3 +91,32 @@ def test_conform_rejects_unknown_cache_and_sinks_it_cannot_keep(capsys):
     assert "keeps no attention sinks" in capsys.readouterr().err
     assert main(["conform"]) == 2
     assert "--cache" in capsys.readouterr().err
+
+
+def test_demo_with_a_window_too_large_to_show_is_a_clear_error():
+    """``demo --window 10**12`` was a MemoryError traceback: now a clear error, exit 2."""
+    done = subprocess.run([sys.executable, "-m", "ringviz", "demo", "--window", str(10**12)],
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "error: demo shows every slot" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_demo_into_a_pipe_closed_early_ends_quietly():
+    """``demo | head`` was a BrokenPipeError traceback: the demo now stops quietly."""
+    command = f"{sys.executable} -m ringviz demo --window 4 --tokens 100000 | head -n 2"
+    done = subprocess.run(command,
+                          shell=True, capture_output=True, text=True)
+    assert len(done.stdout.splitlines()) == 2
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("text", "shown"), [
+    ("plain text\n\tindented", "plain text\n\tindented"),
+    ("\x1b[2J\x1b]0;title\x07", "\\x1b[2J\\x1b]0;title\\x07"),  # clear screen, set title, bell
+    ("over\rwrite \x9b31m", "over\\rwrite \\x9b31m"),  # carriage return, 8-bit CSI
+    ("abc\u202edcba", "abc\\u202edcba"),  # a right-to-left override reorders the line
+    ("emoji \U0001F600 and é", "emoji \U0001F600 and é"),
+])
+def test_printable_escapes_what_would_drive_the_terminal(text, shown):
+    from ringviz.cli import printable
+    assert printable(text) == shown

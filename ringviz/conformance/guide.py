@@ -24,8 +24,8 @@ W = 1024 never runs at all. A bug on that path (an overflow at a block's end, a 
 drops the last block) is invisible to a check at W = 6: with a grow size of 512, only windows
 over 512 reach it.
 Scale such constants down with the window, in the adapter, so that the small window spans
-several blocks: :func:`mlx_cache_small_blocks` sets ``cache.step = 2``, and the cache grows
-twice before W = 6 fills. The same holds for a page size, a chunk limit, a
+several blocks: ``mlx_cache(6, block=2)`` sets ``cache.step = 2``, and the cache grows twice
+before W = 6 fills. The same holds for a page size, a chunk limit, a
 preallocation length: each number that a window of 6 never reaches.
 """
 
@@ -66,13 +66,16 @@ def hf_layer(window: int) -> MakeStep:
     return make_step
 
 
-def mlx_cache(window: int) -> MakeStep:
-    """mlx-lm's ``RotatingKVCache(W)``, one sequence, driven as mlx-lm's models drive it."""
+def mlx_cache(window: int, block: int | None = None) -> MakeStep:
+    """mlx-lm's ``RotatingKVCache(W)``, one sequence, driven as mlx-lm's models drive it;
+    ``block`` scales its grow size (the class's ``step = 256``) down to a small window's."""
     import mlx.core as mx
     from mlx_lm.models.cache import RotatingKVCache
 
     def make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype, device):
         cache = RotatingKVCache(max_size=window)
+        if block is not None:
+            cache.step = block  # this cache's blocks only; the class keeps 256
 
         def step(q, k, v, positions):
             mask = cache.make_mask(q.shape[2], window_size=window)  # before the update
@@ -82,28 +85,6 @@ def mlx_cache(window: int) -> MakeStep:
             return torch.from_numpy(np.array(out)).to(q.dtype)
 
         return step
-
-    return make_step
-
-
-def mlx_cache_small_blocks(window: int, step: int = 2) -> MakeStep:
-    """:func:`mlx_cache` with the cache's block size scaled down to ``step`` slots (its class
-    constant ``step = 256``), so a small window takes several grows before it wraps."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import RotatingKVCache
-
-    def make_step(*, batch_size, num_heads, num_kv_heads, head_dim, dtype, device):
-        cache = RotatingKVCache(max_size=window)
-        cache.step = step  # an instance attribute: the class's 256 for every other cache
-
-        def step_fn(q, k, v, positions):
-            mask = cache.make_mask(q.shape[2], window_size=window)  # before the update
-            keys, values = cache.update_and_fetch(mx.array(k.numpy()), mx.array(v.numpy()))
-            out = mx.fast.scaled_dot_product_attention(
-                mx.array(q.numpy()), keys, values, scale=q.shape[-1] ** -0.5, mask=mask)
-            return torch.from_numpy(np.array(out)).to(q.dtype)
-
-        return step_fn
 
     return make_step
 

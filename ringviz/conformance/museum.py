@@ -897,3 +897,30 @@ EXHIBITS |= {e.name: e for e in [
         batch_size=2, listing=("adapters.py", "ExecuTorchStep.__call__"),
         requires="executorch"),
 ]}
+
+
+# ------------------------------------------------------------------ the bugs, by class
+@dataclass(frozen=True)
+class BugClass:
+    """Exhibits that broke the same rule, and what their fixes restored."""
+
+    name: str
+    exhibits: tuple[str, ...]
+    restored: str  # the rule the fixes put back, one line
+
+
+CLASSES: list[BugClass] = [
+    BugClass("the window off by one", ("hf_37574", "mlx_lm_390"),
+             "the window's bound, counted in keys: a query sees W, not W - 1 or W + 1"),
+    BugClass("no window on a decode step", ("mistralrs_246", "mlx_lm_843", "litgpt_2145"),
+             "a window mask for every step, one token included"),
+    BugClass("a chunk's write clobbers its own keys",
+             ("rasbt_1008", "litgpt_2182", "executorch_20346"),
+             "attend before writing, or a ring (or a chunk cap) that spares the chunk's keys"),
+    BugClass("a batch merge sized by the wrong count", ("omlx_543", "vllm_metal_117"),
+             "slice each row by the keys it holds, not by a cursor or a total"),
+    BugClass("sinks lost in a batch", ("mlx_lm_1631",),
+             "the sinks' slots kept out of the ring's rotation"),
+    BugClass("a rewind that does not take back", ("mlx_lm_1423", "mlx_vlm_1715", "hf_48280"),
+             "take back only what the ring still holds, through its own bookkeeping"),
+]

@@ -22,10 +22,11 @@ import copy
 from collections.abc import Callable
 
 import torch
+from transformers import PreTrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ringviz.attention import attend
-from ringviz.cache import MakeStep, RingKVCache, step_key_positions
+from ringviz.cache import MakeStep, RingKVCache, home_slots, step_key_positions
 from ringviz.checks import check_int, check_sinks
 from ringviz.hf.config import read_layout
 from ringviz.hf.rotary import check_rope, model_sink_rope, rope_layers
@@ -96,7 +97,7 @@ def positions_from_mask(attention_mask: torch.Tensor | None, seen: torch.Tensor 
     """
     if attention_mask is None:
         return (seen + torch.arange(T, device=device)).expand(batch, T)
-    if attention_mask.shape != (batch, int(seen) + T):
+    if not torch.compiler.is_compiling() and attention_mask.shape != (batch, int(seen) + T):
         raise ValueError(f"attention_mask must cover every token so far: (B, seen + T) = "
                          f"{(batch, int(seen) + T)}, got {tuple(attention_mask.shape)}")
     mask = attention_mask.to(device=device, dtype=torch.bool)
@@ -129,13 +130,23 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     """A sliding layer: a :class:`RingKVCache` of up to ``window`` slots per row, made on first
     use and grown with its tokens (:meth:`fit`) until it holds the window, then fixed.
 
-    ``sinks=S`` keeps each row's first ``S`` positions in ``S`` more slots (attention sinks);
+    ``sinks=S`` keeps each row's first ``S`` positions in ``S`` more slots (attention sinks),
+    grown with the tokens too: a ring that has seen ``n < S`` tokens holds ``n`` sink slots.
     ``sink_rope`` is the ring's convention for them (None: absolute positions; a rotation:
     StreamingLLM's positions inside the cache).
 
     ``make_step``: another ring in its place (the seam, :data:`ringviz.cache.MakeStep`), built
     at the layer's first step and called with its q, k, v and positions: no plan mask, no row
     operations, no crop (it keeps its own storage).
+
+    Two ways in. A :class:`RingCache` forward calls :meth:`step` (write, then attend, with the
+    forward plan's mask from stored positions). Outside one (a ``RingLayer`` in Hugging Face's
+    own ``DynamicCache``, or driven by hand), :meth:`update` keeps transformers' layer contract:
+    it stores the new tokens and returns the keys and values a query attends over, in temporal
+    order, exactly what ``DynamicSlidingWindowLayer.update`` returns, so HF's stock masks
+    (:meth:`get_mask_sizes`) apply. What a ring cannot do: ``layer.keys`` and ``layer.values``
+    are its storage, in slot order (position ``p`` in slot ``p % capacity``), not in temporal
+    order; ``layer.positions`` says which position each slot holds (-1: empty).
     """
 
     is_sliding = True
@@ -152,14 +163,42 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         # ring holds window + draft positions, so the keys the next query needs survive
         self.draft = draft
         self.is_croppable = draft > 0
-        # ring slots now: None until the first fit or use (then window + draft unless fit to
-        # fewer); a ring fit to its tokens grows with them (:meth:`fit`)
+        # ring slots and sink slots now: None until the first fit or use (then window + draft
+        # and every sink unless fit to fewer); a ring fit to its tokens grows with them
         self.capacity: int | None = None
+        self.sink_slots: int | None = None
         self.ring: RingKVCache | None = None
         # tokens (columns, padding included) given so far: a 0-d tensor updated in place, so a
         # compiled decode step does not specialise (and recompile) on its value
         self.columns = torch.zeros((), dtype=torch.int64)
+        self.record_past = False  # HF's rollback asked for (activate_past_recording)
+        self.stepped = False  # a RingCache forward wrote it: positions count real tokens
 
+    # ------------------------------------------------------------------ what HF reads
+    @property
+    def sliding_window(self) -> int:
+        return self.window
+
+    @property
+    def cumulative_length(self) -> torch.Tensor:
+        """Tokens (columns) given so far, HF's name for them (a 0-d tensor, as a static layer's)."""
+        return self.columns
+
+    @property
+    def device(self) -> torch.device | None:
+        return self.ring.device if self.ring is not None else None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self.ring.dtype if self.ring is not None else None
+
+    @property
+    def positions(self) -> torch.Tensor | None:
+        """``(B, S + C)``: the position each slot of ``keys`` holds (-1: empty), None before
+        the first token: what a mask over the storage is built from."""
+        return self.ring.positions if self.ring is not None else None
+
+    # ------------------------------------------------------------------ size
     @property
     def full(self) -> int:
         """Ring slots once grown: the window and the draft slots."""
@@ -170,37 +209,148 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         """Ring slots now, or once allocated (the full ring unless :meth:`fit` said fewer)."""
         return self.full if self.capacity is None else self.capacity
 
+    @property
+    def sinks_held(self) -> int:
+        """Sink slots now, or once allocated (every sink unless :meth:`fit` said fewer)."""
+        return self.sinks if self.sink_slots is None else self.sink_slots
+
     def fit(self, tokens: int, spare: int = 0) -> None:
-        """Grow (never shrink) to what a forward that brings the columns to ``tokens`` needs:
-        ``tokens`` slots while they fit the window (no position reaches a slot twice: nothing
-        wraps), then the window and ``spare`` draft slots (at most ``draft``)."""
-        target = tokens if tokens <= self.window else self.window + min(spare, self.draft)
-        if target <= (self.capacity or 0) or self.make_step is not None:
+        """Grow (never shrink) to what a forward that brings the columns to ``tokens`` needs.
+
+        Positions never pass column indices, so ``tokens`` bounds them: the first
+        ``min(sinks, tokens)`` are sinks, in their own slots; the rest take ring slots, as many
+        as there are while they fit the window (no position reaches a slot twice: nothing
+        wraps), then the window and ``spare`` draft slots (at most ``draft``).
+        """
+        if self.make_step is not None:
             return
-        self.capacity = target
+        sinks = min(self.sinks, tokens)
+        rest = max(1, tokens - sinks)
+        target = rest if rest <= self.window else self.window + min(spare, self.draft)
+        target = max(target, self.capacity or 0)
+        sinks = max(sinks, self.sink_slots or 0)
+        if (target, sinks) == (self.capacity, self.sink_slots):
+            return
+        self.capacity, self.sink_slots = target, sinks
         if self.ring is not None:
-            self.ring = self.ring.grown(min(self.window, target), target)
+            self.ring = self._regrown(self.ring)
             self.keys, self.values = self.ring.k, self.ring.v
+
+    def _regrown(self, ring: RingKVCache) -> RingKVCache:
+        """``ring``'s keys in a ring of this layer's slots now (``ring`` left as it was)."""
+        window = min(self.window, self.capacity)
+        if ring.sinks == self.sink_slots:
+            return ring.grown(window, self.capacity)
+        # more sink slots: every key moves to its home slot in the new layout (one write)
+        new = RingKVCache(ring.batch_size, ring.num_kv_heads, window, ring.head_dim,
+                          sinks=self.sink_slots, sink_rope=self.sink_rope,
+                          capacity=self.capacity, dtype=ring.dtype, device=ring.device)
+        new.write(ring.k, ring.v, ring.positions, check=False)
+        return new
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape
-        self.capacity = self.slots
-        self.ring = RingKVCache(B, H, min(self.window, self.capacity), D, sinks=self.sinks,
-                                sink_rope=self.sink_rope, capacity=self.capacity,
-                                dtype=key_states.dtype, device=key_states.device)
+        self.capacity, self.sink_slots = self.slots, self.sinks_held
+        self.ring = RingKVCache(B, H, min(self.window, self.capacity), D,
+                                sinks=self.sink_slots, sink_rope=self.sink_rope,
+                                capacity=self.capacity, dtype=key_states.dtype,
+                                device=key_states.device)
         self.keys, self.values = self.ring.k, self.ring.v
         self.columns = self.columns.to(key_states.device)
         self.is_initialized = True
 
+    # ------------------------------------------------------------------ HF's layer contract
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hand the new tokens on to :meth:`step`, which allocates on first use and writes."""
-        return key_states, value_states
+        """transformers' layer contract: store ``T`` new tokens (each row's next columns,
+        ``cumulative_length + 0 .. T-1``) and return what their queries attend over, oldest
+        first: the last ``min(seen, window - 1)`` stored tokens, then the new ones, as
+        ``DynamicSlidingWindowLayer.update`` does (:meth:`get_mask_sizes` says where they start).
 
+        Refused, changing nothing, for a ring that HF's masks cannot describe: one with sinks,
+        another ring's step, or one a RingCache forward wrote (its positions count real tokens,
+        not columns).
+        """
+        self._check_update(key_states, value_states)
+        B, _, T, _ = key_states.shape
+        seen = int(self.columns)
+        self.fit(seen + T, spare=T if self.record_past else 0)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        ring = self.ring
+        past = torch.arange(seen - min(seen, self.window - 1), seen, device=ring.device)
+        index = home_slots(past, 0, ring.capacity)  # the kept positions' slots, oldest first
+        keys = torch.cat([ring.k.index_select(2, index), key_states], dim=2)
+        values = torch.cat([ring.v.index_select(2, index), value_states], dim=2)
+        positions = (seen + torch.arange(T, device=ring.device)).expand(B, T)
+        ring.write(key_states, value_states, positions, check=False, contiguous=True)
+        self.columns.add_(T)
+        return keys, values
+
+    def _check_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        why = ("it keeps sinks, which HF's masks do not know" if self.sinks else
+               "another ring (make_step) keeps its storage" if self.make_step is not None else
+               "a RingCache forward wrote it: its positions count real tokens, not columns"
+               if self.stepped else None)
+        if why is not None:
+            raise NotImplementedError(
+                f"RingLayer.update (HF's layer contract, keys in temporal order for HF's masks) "
+                f"cannot serve this ring: {why}. Use RingCache through ringviz.hf.generate")
+        if key_states.ndim != 4 or value_states.shape[:3] != key_states.shape[:3]:
+            raise ValueError(f"key_states and value_states must be (B, H, T, D) alike, got "
+                             f"{tuple(key_states.shape)} and {tuple(value_states.shape)}")
+        if self.ring is not None and (key_states.shape[:2] != self.ring.k.shape[:2]
+                                      or key_states.shape[3] != self.ring.head_dim):
+            raise ValueError(f"this layer holds (B, H, ., D) = {tuple(self.ring.k.shape)}, got "
+                             f"key_states {tuple(key_states.shape)}")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """HF's ``(kv_length, kv_offset)`` of :meth:`update`'s keys: they hold positions
+        ``kv_offset .. kv_offset + kv_length - 1`` (a host read of the column count)."""
+        seen = int(self.columns)
+        kept = min(seen, self.window - 1)
+        return kept + query_length, seen - kept
+
+    def step_keys(self, query_length: int) -> int:
+        """Keys :meth:`step` attends over for ``query_length`` queries: the sink and ring
+        slots, and the chunk's own tokens for a chunk."""
+        return self.sinks_held + self.slots + (query_length if query_length > 1 else 0)
+
+    def get_seq_length(self) -> torch.Tensor:
+        return self.columns
+
+    def get_max_length(self) -> int:
+        return self.sinks + self.full
+
+    def activate_past_recording(self) -> None:
+        """HF's rollback: served by the draft slots (:meth:`crop` takes back up to ``draft``
+        tokens); refused, changing nothing, by a ring without them."""
+        self.check_recording()
+        self.record_past = True
+
+    def check_recording(self) -> None:
+        """Raise what :meth:`activate_past_recording` would refuse, changing nothing."""
+        if not self.draft:
+            raise NotImplementedError(
+                f"a ring of {self.window} slots overwrites the keys a rollback would need: it "
+                f"cannot record its past; build RingCache(model, draft=K) for rollbacks of up "
+                f"to K tokens (ringviz.hf.generate sizes K for assisted decoding itself)")
+
+    def offload(self) -> None:
+        """Refused: a ring keeps its storage at fixed addresses on its device (written in
+        place every step); keep sliding layers resident (``offload_only_non_sliding=True``)."""
+        raise NotImplementedError(
+            "a RingLayer is not offloaded: its storage (window slots) stays on its device, "
+            "written in place; keep sliding layers resident (offload_only_non_sliding=True)")
+
+    def prefetch(self) -> None:
+        """Nothing to fetch: a ring is never offloaded (:meth:`offload`)."""
+
+    # ------------------------------------------------------------------ the ring path
     def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool ``(B, 1, T, K)``: which keys of :meth:`step` each query sees."""
         stored = self.ring.positions if self.ring is not None else None
-        keys = step_key_positions(stored, q_positions, self.sinks, self.slots)
+        keys = step_key_positions(stored, q_positions, self.sinks_held, self.slots)
         return band_mask(q_positions, keys, self.window, self.sinks)[:, None]
 
     def plain_causal(self, T: int) -> bool:
@@ -221,12 +371,14 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         causal mask, then it is written; ``real``: every token is real, so each row's is its
         next position (the ring's contiguous write).
         """
+        self.stepped = True
         if self.make_step is not None:
             return self._other_step(query, key, value, positions, scale)
-        if torch.compiler.is_compiling() and self.slots != self.full:
-            raise RuntimeError(f"a compiled step needs the ring at its full {self.full} "
-                               f"slots (it holds {self.slots}): it cannot grow inside a "
-                               f"graph")
+        if torch.compiler.is_compiling() and (self.slots, self.sinks_held) != (self.full,
+                                                                               self.sinks):
+            raise RuntimeError(f"a compiled step needs the ring at its full {self.sinks} + "
+                               f"{self.full} slots (it holds {self.sinks_held} + "
+                               f"{self.slots}): it cannot grow inside a graph")
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         if causal and query.shape[2] == key.shape[2]:
@@ -275,15 +427,6 @@ class RingLayer(RowsMixin, CacheLayerMixin):
             self.ring.take_rows(index.to(self.ring.device), check=False)
             self.keys, self.values = self.ring.k, self.ring.v
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.sinks + self.slots + (query_length if query_length > 1 else 0), 0
-
-    def get_seq_length(self) -> torch.Tensor:
-        return self.columns
-
-    def get_max_length(self) -> int:
-        return self.sinks + self.full
-
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens of every row (a rejected draft).
 
@@ -322,28 +465,58 @@ class FullLayer(RowsMixin, CacheLayerMixin):
     Storage holds exactly the tokens that arrived (a copy into larger storage when more
     arrive, as Hugging Face's ``torch.cat`` does; never reserved for ``max_new_tokens``, so
     never more than Hugging Face's own layer holds) unless a driver that knows its length
-    reserves it (:meth:`RingCache.reserve`); one spare slot past the end takes padding writes.
-    Slot ``j`` holds position ``j``: a row's positions count its real tokens (``0, 1, 2, ...``
-    after its padding), so they never pass its column, the stored positions are implicit, and
-    a query at ``p`` sees ``0..p``.
+    reserves it (:meth:`fit`, :meth:`RingCache.reserve`); one spare slot past the end takes
+    padding writes. Slot ``j`` holds position ``j``: a row's positions count its real tokens
+    (``0, 1, 2, ...`` after its padding), so they never pass its column, the stored positions
+    are implicit, and a query at ``p`` sees ``0..p``.
+
+    Compileable as a static layer: under ``torch.compile`` a step writes into storage
+    reserved for the whole call and attends over all of it, the slots past each query masked
+    by the causal rule itself; the column count is then a tensor (:attr:`count`), read back by
+    the host only when next asked. Outside a RingCache forward, :meth:`update` keeps HF's
+    layer contract (``DynamicLayer``'s: store, return every token so far).
     """
 
     is_sliding = False
-    is_compileable = False
+    is_compileable = True  # once its storage is reserved for the call (RingCache.fit_full)
     is_croppable = True  # slot = position: a crop forgets the last columns
 
     def __init__(self) -> None:
         super().__init__()
-        self.columns = 0  # columns given so far (padding included)
+        self.count = torch.zeros((), dtype=torch.int64)  # columns given so far, on the device
+        self._columns: int | None = 0  # the same on the host (None: read it back from count)
         self.dense = True  # every column so far a real token: slot j holds position j
         self.allocated = 0  # slots per row in storage (the spare slot aside)
         self.reserve = 0  # slots to allocate at first use (RingRunner knows its length)
+        self.device: torch.device | None = None  # the storage's own device, set at first use
         self._k_store: torch.Tensor | None = None
         self._v_store: torch.Tensor | None = None
         self._rows: torch.Tensor | None = None  # (B,) row indices, made with the storage
 
+    @property
+    def columns(self) -> int:
+        """Columns given so far (padding included), on the host."""
+        if self._columns is None:  # after compiled steps, which counted on the device only
+            self._columns = int(self.count)
+        return self._columns
+
+    @columns.setter
+    def columns(self, n: int) -> None:
+        self._columns = n
+        self.count.fill_(n)
+
+    @property
+    def cumulative_length(self) -> int:
+        return self.columns
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self._k_store.dtype if self._k_store is not None else None
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, T, D = key_states.shape
+        self.device = key_states.device
+        self.count = self.count.to(self.device)
         self._allocate(key_states.new_zeros(B, H, 0, D), value_states.new_zeros(B, H, 0, D),
                        max(self.reserve, T))
         self.is_initialized = True
@@ -355,17 +528,42 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         self._k_store[:, :, :n] = k_old
         self._v_store[:, :, :n] = v_old
         self.allocated = slots
-        self.keys, self.values = self._k_store[:, :, :slots], self._v_store[:, :, :slots]
+        self._views()
         self._rows = torch.arange(B, device=k_old.device)  # row index of a decode write
+
+    def _views(self) -> None:
+        self.keys = self._k_store[:, :, :self.allocated]
+        self.values = self._v_store[:, :, :self.allocated]
+
+    def fit(self, tokens: int) -> None:
+        """Hold at least ``tokens`` slots, now if allocated (a copy), else at first use."""
+        self.reserve = max(self.reserve, tokens)
+        if self.is_initialized and tokens > self.allocated:
+            n = self.columns
+            self._allocate(self._k_store[:, :, :n], self._v_store[:, :, :n], tokens)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hand the new tokens on to :meth:`step`, which allocates on first use and writes."""
-        return key_states, value_states
+        """transformers' layer contract (``DynamicLayer``'s): store ``T`` new tokens at the
+        next columns and return every token so far, oldest first. Refused for a layer a
+        RingCache forward wrote with padding (its slots then hold real-token positions)."""
+        if not self.dense:
+            raise NotImplementedError(
+                "FullLayer.update (HF's layer contract, slot = column) cannot serve a layer "
+                "that a RingCache forward wrote with padding: its slots hold each row's real "
+                "tokens. Use RingCache through ringviz.hf.generate")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, _, T, _ = key_states.shape
+        positions = (self.columns + torch.arange(T, device=self.device)).expand(B, T)
+        return self._store(key_states, value_states, positions, real=True)
 
     def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
-        """Bool ``(B, 1, T, seen + T)``: slot ``j`` (position ``j``) visible to queries ``>= j``."""
-        slots = torch.arange(self.columns + q_positions.shape[1], device=q_positions.device)
+        """Bool ``(B, 1, T, K)``: slot ``j`` (position ``j``) visible to queries ``>= j``, over
+        ``seen + T`` slots (a compiled step's: every reserved slot)."""
+        K = self.allocated if torch.compiler.is_compiling() else \
+            self.columns + q_positions.shape[1]
+        slots = torch.arange(K, device=q_positions.device)
         return band_mask(q_positions, slots, None)[:, None]  # the window rule, no window
 
     def plain_causal(self, T: int) -> bool:
@@ -381,16 +579,31 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         ``0..columns+T-1``
         (``unmasked``: the plan found every slot visible, as no row has had padding;
         ``causal``: a first chunk without padding, :meth:`plain_causal`)."""
+        if torch.compiler.is_compiling():
+            return self._compiled_step(query, key, value, positions, mask, scale)
         if not self.is_initialized:
             self.lazy_initialization(key, value)
-        B, H, T, D = key.shape
+        T = key.shape[2]
         if not real and self.dense:  # a chunk's one host read; a decode column may be padding
             self.dense = T > 1 and bool((positions >= 0).all())
-        need = self.columns + T  # positions never pass column indices, so slots stay < need
+        keys, values = self._store(key, value, positions, real=real)
+        if causal and query.shape[2] == keys.shape[2]:
+            return attend(query, keys, values, scale=scale, causal=True)
+        if unmasked:
+            return attend(query, keys, values, scale=scale)
+        empty = positions[:, T - query.shape[2]:] < 0  # the queries' rows (Gemma 4 keeps fewer)
+        return attend(query, keys, values, mask[:, 0], scale=scale, empty=empty)
+
+    def _store(self, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor, *,
+               real: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``T`` tokens at slots = their positions (padding: the spare slot); return the
+        keys and values of slots ``0 .. columns + T - 1``."""
+        B, H, T, D = key.shape
+        columns = self.columns
+        need = columns + T  # positions never pass column indices, so slots stay < need
         if need > self.allocated:  # exactly what is held: never more than HF's own layer
-            self._allocate(self.keys[:, :, :self.columns], self.values[:, :, :self.columns],
-                           need)
-        if real and not self.columns:  # a first chunk of real tokens: token j to slot j
+            self._allocate(self.keys[:, :, :columns], self.values[:, :, :columns], need)
+        if real and not columns:  # a first chunk of real tokens: token j to slot j
             self._k_store[:, :, :T] = key
             self._v_store[:, :, :T] = value
         else:  # (B, T); the spare slot for padding
@@ -401,14 +614,31 @@ class FullLayer(RowsMixin, CacheLayerMixin):
             else:
                 self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key)
                 self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value)
-        self.columns = need
-        keys, values = self._k_store[:, :, :need], self._v_store[:, :, :need]
-        if causal and query.shape[2] == need:
-            return attend(query, keys, values, scale=scale, causal=True)
-        if unmasked:
-            return attend(query, keys, values, scale=scale)
-        empty = positions[:, T - query.shape[2]:] < 0  # the queries' rows (Gemma 4 keeps fewer)
-        return attend(query, keys, values, mask[:, 0], scale=scale, empty=empty)
+        self._columns = need
+        self.count.add_(T)
+        return self._k_store[:, :, :need], self._v_store[:, :, :need]
+
+    def _compiled_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       positions: torch.Tensor, mask: torch.Tensor, scale: float
+                       ) -> torch.Tensor:
+        """:meth:`step` with no host state read: a scatter into the reserved storage, then
+        attention over every slot with the plan's mask (:meth:`mask`), the count on the
+        device. The host's count and ``dense`` are only written (read back when next asked),
+        so the graph guards on neither and never recompiles for them."""
+        if not self.is_initialized:
+            if not self.reserve:
+                raise RuntimeError("a compiled step needs the full layer's storage reserved for "
+                                   "the call's tokens (RingCache.fit_full(tokens)): it cannot "
+                                   "grow inside a graph")
+            self.lazy_initialization(key, value)
+        B, H, T, D = key.shape
+        slot = torch.where(positions >= 0, positions, self.allocated)
+        self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key)
+        self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), value)
+        self.count.add_(T)
+        self._columns, self.dense = None, False
+        empty = positions[:, T - query.shape[2]:] < 0
+        return attend(query, self.keys, self.values, mask[:, 0], scale=scale, empty=empty)
 
     def sees_everything(self) -> bool:
         """Whether a decode step of every row's next token sees every slot: no row has had
@@ -427,16 +657,40 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         k, v = self._k_store.index_select(0, index), self._v_store.index_select(0, index)
         self._allocate(k[:, :, :self.columns], v[:, :, :self.columns], self.allocated)
 
+    def offload(self) -> None:
+        """HF's layer offloading: the storage to the CPU (:meth:`prefetch` brings it back)."""
+        if self.is_initialized:
+            self._move("cpu")
+
+    def prefetch(self) -> None:
+        """Back to the layer's device ahead of its next step, if offloaded."""
+        if self.is_initialized and self._k_store.device != self.device:
+            self._move(self.device)
+
+    def _move(self, device: torch.device | str) -> None:
+        self._k_store = self._k_store.to(device, non_blocking=True)
+        self._v_store = self._v_store.to(device, non_blocking=True)
+        self._rows = self._rows.to(device)
+        self._views()
+
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` columns (their slots are written again)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count, the tokens to "
+                             f"remove (HF's convention)")
         if tokens_to_remove < 0:
             self.columns = max(0, self.columns + tokens_to_remove)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.columns + query_length, 0
 
-    def get_seq_length(self) -> int:
-        return self.columns
+    def step_keys(self, query_length: int) -> int:
+        """Keys a step attends over for ``query_length`` queries: every slot so far."""
+        return self.columns + query_length
+
+    def get_seq_length(self) -> int | torch.Tensor:
+        """Columns so far: the device's count under torch.compile (no host read)."""
+        return self.count if torch.compiler.is_compiling() else self.columns
 
     def get_max_length(self) -> int:
         return -1
@@ -454,22 +708,28 @@ class FullLayer(RowsMixin, CacheLayerMixin):
 
 
 def check_model(model) -> None:
-    """Raise on attention features the ring path does not implement, naming the feature."""
-    config = model.config
+    """Raise on attention features the ring path does not implement, naming the feature.
+
+    Given a config alone (``RingCache(config)``), the features only a model's modules show
+    (learned sinks, a learned per-head mask) are refused by the attention hook instead, at the
+    first layer of the first forward, before anything is written.
+    """
+    config = model if isinstance(model, PreTrainedConfig) else model.config
+    modules = [] if config is model else list(model.modules())
     if config.get_text_config() is not config or getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"{type(model).__name__}: RingCache serves decoder-only text models")
     features = {
         "attention logit soft-capping (as in Gemma 2)":
             getattr(config, "attn_logit_softcapping", None) is not None,
         "learned attention sinks (as in gpt-oss)": any(
-            isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()),
+            isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in modules),
         "ALiBi position biases": bool(getattr(config, "alibi", False))
             or config.model_type in ("bloom", "mpt") or "alibi" in str(
                 getattr(config, "position_embedding_type", "")),
         "bidirectional attention": bool(getattr(config, "use_bidirectional_attention", False)),
         "chunked attention": getattr(config, "attention_chunk_size", None) is not None,
         "a learned per-head attention mask (as in Doge)": any(
-            callable(getattr(m, "prepare_dynamic_mask", None)) for m in model.modules()),
+            callable(getattr(m, "prepare_dynamic_mask", None)) for m in modules),
         "layers run more than once per forward (looped, as in Dory)": any(
             "loop" in key and isinstance(value, int) and value > 1
             for key, value in config.to_dict().items()),
@@ -482,6 +742,11 @@ def check_model(model) -> None:
 
 class RingCache(Cache):
     """A ``transformers.Cache`` of rings (sliding layers) and growing full layers.
+
+    ``RingCache(model)``, or ``RingCache(model.config)`` as Hugging Face's caches take a config:
+    the same cache, but for what only the model shows (the cache sink convention turns sink keys
+    with the model's own rotary embedding, probed on it: refused without the model; learned
+    sinks and masks are refused at the first forward, :func:`check_model`).
 
     ``window=None`` keeps a model's own sliding window on its sliding layers; ``window=W`` sets
     it, and on a model without one (Llama, SmolLM2) makes every layer a ring of ``W``.
@@ -528,15 +793,21 @@ class RingCache(Cache):
         if ring is not None and (sinks or self.draft):
             raise ValueError("sinks and draft slots belong to RingCache's own rings: a ring "
                              "given through ring= keeps what its factory builds")
+        config = model if isinstance(model, PreTrainedConfig) else model.config
+        if config is model and sinks and sink_convention == "cache":
+            raise ValueError("RingCache(config) with sink_convention='cache': the sink keys are "
+                             "turned by the model's own rotary embedding, probed on the model; "
+                             "pass the model, RingCache(model, ...)")
         check_model(model)
-        layout = read_layout(model.config)
+        layout = read_layout(config)
         windows = layout.windows(window)  # ValueError on a bad window
-        ropes = sink_ropes(model, windows, sink_convention)
-        check_kv_sharing(model.config)
+        ropes = [None] * len(windows) if config is model else sink_ropes(model, windows,
+                                                                         sink_convention)
+        check_kv_sharing(config)
         super().__init__(layers=[RingLayer(w, sinks=sinks, sink_rope=rope, draft=self.draft,
                                            make_step=ring(w) if ring else None)
                                  if w else FullLayer() for w, rope in zip(windows, ropes)])
-        self.config, self.layout = model.config, layout
+        self.config, self.layout = config, layout
         self.windows = windows
         self.window = windows_of(windows)
         self.sinks, self.sink_convention = sinks, sink_convention
@@ -558,6 +829,13 @@ class RingCache(Cache):
         self._columns = 0
         self.prompt: tuple[int, int] | None = None
         self._visible: dict[str, torch.Tensor] = {}  # per kind: its all-True decode mask
+        self.sized = False  # transformers sized a mask on this cache since the hook last read it
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """transformers' size of a mask over this cache; notes that it asked (``sized``): the
+        mask hook then knows this forward is the ring call's."""
+        self.sized = True
+        return super().get_mask_sizes(query_length, layer_idx)
 
     @property
     def nbytes(self) -> int:
@@ -617,6 +895,8 @@ class RingCache(Cache):
         """Allocate every layer now (rings: their window; full layers: ``tokens`` slots)."""
         self.reserve(tokens)
         for i, layer in enumerate(self.layers):
+            if isinstance(layer, RingLayer):  # no position reaches ``tokens``: sinks below it
+                layer.sink_slots = min(layer.sinks, tokens)
             if getattr(layer, "make_step", None) is None:  # another ring is made at its step
                 x = torch.empty(batch_size, self.layout.kv_heads[i], 0, self.layout.head_dims[i],
                                 dtype=dtype, device=device)
@@ -624,12 +904,14 @@ class RingCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        """transformers' per-layer call after RoPE: refused unless a fresh plan awaits it."""
+        """transformers' per-layer call after RoPE: refused unless a fresh plan awaits it;
+        hands the new tokens on to :meth:`attend`, where the layer's step writes and attends
+        (its own ``update`` is HF's contract, for a layer outside a RingCache)."""
         plan = self.plan
         if plan.positions is None or layer_idx <= plan.last_layer \
                 or plan.positions.shape != (key_states.shape[0], key_states.shape[2]):
             raise RuntimeError(NOT_THROUGH_GENERATE)
-        return self.layers[layer_idx].update(key_states, value_states)
+        return key_states, value_states  # the layer's step writes them (attend)
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
@@ -692,11 +974,23 @@ class RingCache(Cache):
             if isinstance(layer, RingLayer):
                 layer.fit(after, spare=spare)
 
-    def fit_full(self) -> None:
-        """Grow every ring to its window and draft slots now (a compiled step cannot grow)."""
+    def fit_full(self, tokens: int | None = None) -> None:
+        """Grow every ring to its window, sinks and draft slots now, and size the full layers
+        for ``tokens`` columns (the call's whole length): a compiled step cannot grow."""
         for layer in self.layers:
             if isinstance(layer, RingLayer):
-                layer.fit(layer.full, spare=layer.draft)
+                layer.fit(layer.sinks + layer.full, spare=layer.draft)
+            elif tokens is not None:
+                layer.fit(tokens)
+
+    def activate_past_recording(self) -> None:
+        """HF's rollback (assisted decoding): served by rings with draft slots (:meth:`crop`),
+        refused, changing nothing, when a ring has none."""
+        rings = [layer for layer in self.layers if isinstance(layer, RingLayer)]
+        for layer in rings:
+            layer.check_recording()
+        for layer in rings:
+            layer.activate_past_recording()
 
     def _plan(self, positions: torch.Tensor, vouched: bool) -> tuple[bool, frozenset[str]]:
         """Whether this forward's tokens are all real (each row's next positions), and the
@@ -731,7 +1025,7 @@ class RingCache(Cache):
     def _all_visible(self, kind: str, batch: int, device: torch.device) -> torch.Tensor:
         """An all-True decode mask ``(B, 1, 1, K)`` for ``kind``, kept while its shape holds:
         contiguous, so transformers' ``.contiguous()`` hands this very tensor to the layers."""
-        K = self.layers[self.kind_layer[kind]].get_mask_sizes(1)[0]
+        K = self.layers[self.kind_layer[kind]].step_keys(1)
         mask = self._visible.get(kind)
         if mask is None or mask.shape != (batch, 1, 1, K) or mask.device != device:
             mask = self._visible[kind] = torch.ones(batch, 1, 1, K, dtype=torch.bool,
@@ -787,14 +1081,19 @@ class RingCache(Cache):
 def sink_ropes(model, windows: list[int | None], sink_convention: str) -> list[Rope | None]:
     """Per layer, the ``sink_rope`` of its ring: the model's RoPE of sliding layers for
     StreamingLLM's convention (``"cache"``), None for the absolute one, and None for a layer
-    whose attention uses no RoPE (its keys carry no position: both conventions agree)."""
-    if sink_convention != "cache":
+    whose attention uses no RoPE (its keys carry no position: both conventions agree).
+    A RoPE the convention cannot turn is refused before the probe (``rope_layers``) runs."""
+    rings = [i for i, w in enumerate(windows) if w]
+    if sink_convention != "cache" or not rings:
         return [None] * len(windows)
-    turned = [i for i, (w, used) in enumerate(zip(windows, rope_layers(model))) if w and used]
-    if not turned:
+    try:
+        rope = model_sink_rope(model, "sliding_attention")
+    except ValueError:  # no RoPE module to turn with: right only if no ring layer rotates
+        if any(used for i, used in enumerate(rope_layers(model)) if i in rings):
+            raise
         return [None] * len(windows)
-    rope = model_sink_rope(model, "sliding_attention")
-    check_rope(model, rope, "sliding_attention", turned)
+    check_rope(model, rope, "sliding_attention", rings)
+    turned = {i for i, used in enumerate(rope_layers(model)) if used and i in rings}
     return [rope if i in turned else None for i in range(len(windows))]
 
 

@@ -7,7 +7,9 @@ the sliding layers' memory stays fixed however long the conversation grows. What
 ringviz generate`` and ``python -m ringviz chat`` run.
 
 A turn stopped part-way (Ctrl-C) is dropped: the conversation goes on from before it (a copy of
-the cache taken at the turn's start is put back), never from a cache whose layers disagree.
+the cache taken at the turn's start is put back), never from a cache whose layers disagree. A
+turn that raises (its ``write`` failed with an OSError, a closed pipe) is dropped the same way,
+and the error goes on to the caller.
 """
 
 from __future__ import annotations
@@ -126,7 +128,8 @@ class Conversation:
         Returns the reply, its token count, tokens/s (prefill and decode together), and the
         cache's bytes against what Hugging Face's default cache holds for the conversation so
         far (:func:`hf_cache_bytes`). ``interrupted`` is True when Ctrl-C stopped the turn: it
-        is dropped and the conversation is as before it.
+        is dropped and the conversation is as before it; a turn that raises (``write`` failing,
+        say) is dropped too, then the error is raised.
         """
         if not isinstance(text, str) or not text.strip():
             raise ValueError("a turn needs some text")
@@ -150,6 +153,9 @@ class Conversation:
             self.cache = saved
             write("\n[interrupted: turn dropped]\n")
             return {"interrupted": True, "tokens_so_far": self.ids.shape[1]}
+        except BaseException:  # a write that failed (OSError), a refused call: turn dropped
+            self.cache = saved
+            raise
         seconds = time.perf_counter() - start
         new = seq.shape[1] - ids.shape[1]
         self.ids = seq

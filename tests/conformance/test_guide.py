@@ -6,7 +6,6 @@ from ringviz.conformance import check
 from ringviz.conformance.guide import (
     hf_layer,
     mlx_cache,
-    mlx_cache_small_blocks,
     server_rows,
     speculative_layer,
 )
@@ -59,4 +58,4 @@ def test_small_blocks_grow_several_times_before_the_window_fills_and_pass():
 
     assert sizes(256) == [6]  # the class's block: one allocation, no grow path at W = 6
     assert sizes(2) == [2, 4, 6]  # scaled down: it grows, and copies, twice
-    assert check(mlx_cache_small_blocks(6), window=6, examples=40, dtype=torch.float32).ok
+    assert check(mlx_cache(6, block=2), window=6, examples=40, dtype=torch.float32).ok

@@ -29,6 +29,26 @@ def test_exhibit_bug_caught_and_fix_passes(name):
     assert sum(smallest.schedule) <= 3 * exhibit.window  # a schedule a reader can follow
 
 
+def test_every_exhibit_has_one_class():
+    from ringviz.conformance.museum import CLASSES
+
+    named = [n for c in CLASSES for n in c.exhibits]
+    assert sorted(named) == sorted(EXHIBITS), set(named) ^ set(EXHIBITS)
+
+
+def test_design_space_rows_measured_where_the_package_runs():
+    from ringviz.conformance.designs import DESIGNS, measured_slots
+    from ringviz.conformance.peers import PEERS
+
+    rows = {d.ring: d for d in DESIGNS}
+    assert measured_slots(rows["ringviz RingKVCache"], 6, 8) == 7  # W + 1
+    assert measured_slots(rows["transformers DynamicSlidingWindowLayer"], 6, 8) == 13
+    assert all(d.peer in PEERS for d in DESIGNS if d.peer)
+    assert all(d.source for d in DESIGNS)
+    pytest.importorskip("executorch")
+    assert measured_slots(rows["ExecuTorch RingKVCache (1.5.1)"], 6, 8) == 12  # 2W
+
+
 def test_museum_spans_projects():
     assert len(EXHIBITS) >= 12
     assert len([e for e in EXHIBITS.values() if e.requires is None]) >= 12  # with no peers

@@ -185,3 +185,73 @@ def test_the_cli_refuses_an_unknown_sink_convention(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["chat", "--sink-convention", "relative"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_chat_json_prints_one_json_object_last(monkeypatch, capsys):
+    """The prompts go to stderr, so stdout's last line is the result, one JSON object (it was
+    ``you> {...}``: ``input("you> ")`` writes its prompt to stdout)."""
+    import io
+    import json
+
+    import ringviz.cli as cli
+
+    chat = Conversation(tiny_gemma(), CharTokenizer(), sinks=2, stop=None)
+    monkeypatch.setattr(cli, "_conversation", lambda args: chat)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello ring\nand again\n"))  # then EOF
+    assert main(["chat", "--sinks", "2", "--max-new-tokens", "4", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1])["turns"] == 2
+    assert "you>" not in out and err.count("you> ") == 3
+
+
+class Echo:
+    """A conversation that replies with the user's own text (as a model may repeat it)."""
+
+    class cache:  # noqa: N801 - what the command reads of a RingCache
+        window, sink_convention, nbytes = 4, "cache", 0
+
+    ids = torch.zeros(1, 0)
+
+    def turn(self, text, *, max_new_tokens, write, **kwargs):
+        write(text)
+        write("\n")
+        return {"interrupted": False, "new_tokens": 1, "tokens_per_s": 1.0,
+                "tokens_so_far": 1, "cache_bytes": 0, "hf_cache_bytes": 0}
+
+
+@pytest.mark.parametrize("command", [["chat"], ["generate", "--model", "gemma3", "--prompt",
+                                                "\x1b[2Jwiped \x1b]0;owned\x07"]])
+def test_chat_and_generate_never_write_raw_escape_sequences(monkeypatch, capsys, command):
+    import io
+
+    import ringviz.cli as cli
+
+    monkeypatch.setattr(cli, "_conversation", lambda args: Echo())
+    monkeypatch.setattr("sys.stdin", io.StringIO("\x1b[2Jwiped \x1b]0;owned\x07\n"))
+    assert main(command) == 0
+    out, err = capsys.readouterr()
+    assert "\x1b" not in out + err and "\x07" not in out + err
+    assert "\\x1b[2Jwiped \\x1b]0;owned\\x07" in out
+
+
+def test_a_turn_whose_write_fails_is_dropped_and_the_conversation_goes_on():
+    """``write`` raising OSError (a closed terminal or pipe) part-way: the turn is dropped as a
+    Ctrl-C'd one is, the error goes on, and the next turn continues from before it."""
+    chat, twin = _chat(), _chat()
+    twin.model = chat.model
+    twin.cache = type(chat.cache)(chat.model, sinks=2)
+    for c in (chat, twin):
+        c.turn("first turn", max_new_tokens=6)
+    calls = []
+
+    def broken(text):
+        calls.append(text)
+        if len(calls) == 3:
+            raise OSError(5, "Input/output error")
+
+    with pytest.raises(OSError, match="Input/output"):
+        chat.turn("a turn that cannot be shown", max_new_tokens=20, write=broken)
+    assert torch.equal(chat.ids, twin.ids)
+    for c in (chat, twin):
+        c.turn("next turn", max_new_tokens=6)
+    assert torch.equal(chat.ids, twin.ids)
