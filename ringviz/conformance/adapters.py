@@ -311,6 +311,8 @@ class ExecuTorchStep:
     ``input_pos`` is one start position for the whole batch: every row in step, no padding
     (ragged rows raise). A chunk over the ring's 2W slots is refused by the cache's own
     ``assert``; the step declines it as :class:`Unsupported` (a limit by design, not a bug).
+    Check it in float32, its models' dtype: its mask is always float32, and torch 2.13's fused
+    CPU attention misreads a float32 mask beside float64 queries once it spans 16 keys.
     """
 
     def __init__(self, window: int, s: StepSpec) -> None:

@@ -894,7 +894,7 @@ EXHIBITS |= {e.name: e for e in [
         "PR #20346 (open): the runner caps its prefill chunks at the sliding window; here the "
         "same installed ring, each chunk cut to W tokens before the forward",
         executorch_ring, lambda window: executorch_ring(window, max_chunk=window), "window",
-        batch_size=2, listing=("adapters.py", "ExecuTorchStep.__call__"),
+        batch_size=2, dtype=torch.float32, listing=("adapters.py", "ExecuTorchStep.__call__"),
         requires="executorch"),
 ]}
 

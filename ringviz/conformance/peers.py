@@ -85,7 +85,7 @@ PEERS: dict[str, Peer] = {p.name: p for p in [
          rewind=True),
     Peer("executorch_ring", "ExecuTorch RingKVCache (2W slots) + its ring mask + SDPA, as "
          "AttentionMHA drives it", adapters.executorch_ring, library="executorch",
-         ragged=False, batch_size=2),
+         ragged=False, batch_size=2, dtype=_F32),  # its ring mask is float32, as its models
 ]} | {name: Peer(name, p.what, p.factory, sinks=p.sinks > 0, ragged=p.ragged,
                  batch_size=p.batch_size, expect=p.breaks, default_sinks=p.sinks)
       for name, p in PITFALLS.items()}
