@@ -14,9 +14,13 @@ order); a ring's slots break that as soon as it wraps, is not full, takes a chun
 So the masks come from ringviz: a mask function registered in ``AttentionMaskInterface`` under
 :data:`ATTN_NAME` (transformers calls it once per layer type and forward) reads the ring's stored
 positions, and an attention function registered in ``AttentionInterface`` under the same name
-applies them. :func:`generate` switches the model to that name for the call and back afterwards,
-however the call ends; the cache it serves travels in the calling thread's slot, never in a
-module global, and one ring call holds a model at a time.
+applies them. :func:`generate` holds the model under that name for the call (restored however
+it ends, once no other call holds it), and the two functions decide per forward: the ring for
+the forwards of the calling thread's ring call, the model's own mask and attention for every
+other forward of the model meanwhile (a logits processor's plain call, classifier-free
+guidance's unconditional pass, another thread's call): Hugging Face's, bit for bit. The cache a
+call serves travels in the calling thread's slot, never in a module global; ring calls on one
+model may run at once, each with its own cache.
 Plain ``model.generate(cache=RingCache(model))`` keeps the stock masks, so the first cache write
 raises an error that names :func:`generate`; it is never silently wrong.
 

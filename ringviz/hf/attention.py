@@ -1,27 +1,40 @@
 """The hooks transformers calls: a mask function and an attention function, one name.
 
-transformers looks both up by the model's attention implementation. :func:`register` puts
-:func:`ring_mask` in ``AttentionMaskInterface`` and :func:`attention_hook` in
-``AttentionInterface`` under :data:`ATTN_NAME`; :func:`ring_active` switches a model to that name
-for a block and tells the hooks which :class:`~ringviz.hf.cache.RingCache` this call serves.
+transformers looks both up by the model's attention implementation, read from its config in
+every forward. :func:`register` puts :func:`mask_hook` in ``AttentionMaskInterface`` and
+:func:`attention_hook` in ``AttentionInterface`` under :data:`ATTN_NAME`; :func:`hold` switches
+a model to that name while any ring call (or probe) needs it, and the hooks decide per forward:
 
-Nothing outlives a call. transformers hands its mask hook no cache, so the cache travels in a
-slot of the calling thread (:func:`serving_cache`), set on entry and cleared on exit; another
-thread sees its own slot, never this call's cache. The model is a shared object: one ring call
-holds it at a time (a second, from any thread, is refused before anything runs), and every exit
-(return, exception, KeyboardInterrupt) restores each config's attention implementation to the
-value it had on entry, so a plain Hugging Face call afterwards is Hugging Face's, bit for bit.
+* a forward of this thread's ring call (:func:`ring_active`) runs the ring path: transformers
+  sized its mask on that :class:`~ringviz.hf.cache.RingCache` (``cache.sized``), so the mask
+  hook makes the forward's plan, and its layers then step with that plan while it is live;
+* every other forward of the model meanwhile (a logits processor's or a stopping criterion's
+  plain call, classifier-free guidance's unconditional pass, another thread's call) runs the
+  model's own mask and attention functions, those of the implementation its config had
+  before: Hugging Face's result, bit for bit, and the ring call's cache is never touched;
+* a forward run inside :func:`forwards_through` (the RoPE probe, the StreamingLLM reference)
+  runs the attention function it names, in this thread only.
+
+Nothing outlives a call. The cache a call serves and a probe's function travel in a slot of
+the calling thread (:data:`_SERVING`), set on entry and restored on exit; another thread sees
+its own slot. What is set on a model is set and restored under one lock with a count: the
+first holder switches each config, the last restores the exact value it had, whatever the
+interleaving of threads, so a plain Hugging Face call afterwards is Hugging Face's. Ring calls
+on one model may run at once (each thread its own cache); one cache serves one call at a time.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, PreTrainedConfig
-from transformers.masking_utils import AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ringviz.hf.cache import NOT_THROUGH_GENERATE, RingCache
 from ringviz.masks import band_mask
@@ -30,25 +43,37 @@ ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transforme
 
 
 class _Serving(threading.local):
-    """The cache this thread's ring call serves: a plain attribute (torch.compile reads it)."""
+    """What this thread's forwards run: plain attributes (torch.compile reads them)."""
 
-    cache: RingCache | None = None
+    cache: RingCache | None = None  # the ring call this thread runs
+    attention: Callable | None = None  # run by every forward of the block (a probe)
+    mask: Callable | None = None  # its mask function (None: no mask)
 
 
-_SERVING = _Serving()  # one slot per thread, set and cleared by ring_active
-_TAKE = threading.Lock()  # makes "is the model free? then switch it" one step across threads
+@dataclass
+class _Held:
+    """A model held under :data:`ATTN_NAME`: by how many blocks, and what to restore."""
 
-IN_USE = ("{model} is serving a ringviz.hf call already (another thread's, or a call inside a "
-          "call): one ring call per model at a time; give each thread its own model "
-          "(copy.deepcopy(model))")
+    count: int
+    saved: list[tuple[PreTrainedConfig, str | None]]  # each switched config, its own value
+
+
+_SERVING = _Serving()  # one slot per thread, set and restored by ring_active, forwards_through
+_TAKE = threading.Lock()  # guards _HELD, _OWN, _BUSY and every switch of a model
+_HELD: dict[int, _Held] = {}  # id(model.config) -> its hold, only while held
+_OWN: dict[int, str | None] = {}  # id(config) -> its own implementation, only while held
+_BUSY: set[int] = set()  # id of each RingCache serving a call now
+
+CACHE_BUSY = ("this RingCache is serving another call now (another thread's, or a call inside "
+              "a call): a cache serves one call at a time; give each call its own "
+              "(copy.deepcopy(cache))")
 
 
 def serving_cache(config=None) -> RingCache:
     """The RingCache this thread's ring call serves (for ``config``'s model, when given)."""
     cache = _SERVING.cache
     if cache is None or (config is not None and cache.config is not config):
-        raise RuntimeError(NOT_THROUGH_GENERATE + " (Or another thread is running a ringviz.hf "
-                           "call on this model: one ring call per model at a time.)")
+        raise RuntimeError(NOT_THROUGH_GENERATE)
     return cache
 
 
@@ -86,14 +111,39 @@ def _is_plain_causal(mask_function: Callable, local_size: int | None,
                             expected))
 
 
+def own_implementation(config) -> str | None:
+    """The attention implementation ``config`` had before it was held (its current one once
+    restored: a forward that read :data:`ATTN_NAME` just before the restore still finds it)."""
+    if id(config) in _OWN:
+        return _OWN[id(config)]
+    with _TAKE:  # not held now, or being restored: the lock makes the two reads agree
+        return _OWN.get(id(config), config._attn_implementation)
+
+
+def mask_hook(*args, config=None, **kwargs):
+    """transformers' mask hook: the ring's mask for a forward of this thread's ring call (see
+    :func:`ring_mask`), else the mask the model's own implementation makes."""
+    serving = _SERVING
+    if serving.attention is not None:  # a probe's forward
+        return None if serving.mask is None else serving.mask(*args, config=config, **kwargs)
+    cache = serving.cache
+    if cache is not None and cache.sized:  # transformers sized this mask on the ring's cache
+        cache.sized = False
+        return ring_mask(*args, config=config, **kwargs)
+    own = own_implementation(config)
+    if own not in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:  # as transformers' early exit
+        return None
+    return ALL_MASK_ATTENTION_FUNCTIONS[own](*args, config=config, **kwargs)
+
+
 def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
               kv_offset: int = 0, mask_function: Callable | None = None,
               attention_mask: torch.Tensor | None = None, local_size: int | None = None,
               config=None, device: torch.device | str = "cpu", **kwargs) -> torch.Tensor:
-    """transformers' mask hook: the active RingCache's mask for this forward and layer kind.
+    """The active RingCache's mask for this forward and layer kind.
 
-    transformers calls it once per layer kind and forward (``local_size`` set for sliding
-    layers), before any layer runs; the first call of a forward makes the cache's forward
+    transformers asks once per layer kind and forward (``local_size`` set for sliding
+    layers), before any layer runs; the first ask of a forward makes the cache's forward
     plan (positions and every kind's mask), the others read it.
     """
     cache = serving_cache(config)
@@ -115,11 +165,37 @@ def ring_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
     return plan.masks[kind]
 
 
+def _live(cache: RingCache) -> bool:
+    """Whether a forward of ``cache``'s call is under way: its plan made, a layer yet to step."""
+    plan = cache.plan
+    return plan.positions is not None and plan.last_layer < len(cache.layers) - 1
+
+
+def own_attention(module: torch.nn.Module) -> Callable:
+    """The attention function ``module`` would call under its config's own implementation
+    (its modeling file's ``eager_attention_forward`` for eager, as transformers' lookup)."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    return ALL_ATTENTION_FUNCTIONS.get_interface(own_implementation(module.config), eager)
+
+
 def attention_hook(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, attention_mask, *args, **kwargs):
+    """transformers' attention hook: the ring step for a layer of this thread's ring forward
+    (:func:`ring_attention`), a probe's function inside :func:`forwards_through`, else the
+    model's own attention function."""
+    serving = _SERVING
+    if serving.attention is not None:
+        return serving.attention(module, query, key, value, attention_mask, *args, **kwargs)
+    cache = serving.cache
+    if cache is not None and _live(cache):
+        return ring_attention(module, query, key, value, attention_mask, *args, **kwargs)
+    return own_attention(module)(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor, scaling: float,
                    dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers' attention hook: the layer's ring step (write, then attend) on its new
-    tokens.
+    """The layer's ring step (write, then attend) on its new tokens.
 
     ``key``/``value`` are the new tokens' (``RingCache.update`` hands them on); the layer's
     store writes them and attends with the forward plan's mask for its kind
@@ -147,7 +223,7 @@ def attention_hook(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 def register() -> None:
     """Put the mask and attention functions in transformers' registries (idempotent)."""
     AttentionInterface.register(ATTN_NAME, attention_hook)
-    AttentionMaskInterface.register(ATTN_NAME, ring_mask)
+    AttentionMaskInterface.register(ATTN_NAME, mask_hook)
 
 
 def attention_configs(model) -> list[PreTrainedConfig]:
@@ -164,66 +240,119 @@ def attention_configs(model) -> list[PreTrainedConfig]:
 
 
 @contextmanager
-def attention_implementation(model, name: str, configs: list | None = None) -> Iterator[None]:
-    """Switch the model's attention implementation to ``name`` for a block, then restore it.
+def hold(model, configs: list | None = None) -> Iterator[list[PreTrainedConfig]]:
+    """Keep ``model`` switched to :data:`ATTN_NAME` for a block; yield the configs switched.
 
-    On exit, however the block ends, every config in ``configs`` (default:
-    :func:`attention_configs`) gets back the exact value it had on entry. Given ``configs``
-    (the ones an earlier ``set_attn_implementation(name)`` changed, the name validated then),
-    the switch sets their one attribute; otherwise it goes through ``set_attn_implementation``.
-    Refused, changing nothing, while the model already runs under ``name``.
+    The first block to hold a model switches it (through ``set_attn_implementation``, which
+    validates the name, unless ``configs`` lists the ones an earlier switch changed: then their
+    one attribute is set), remembering each config's own value; the last to leave restores
+    those exact values. Both under :data:`_TAKE`, so no interleaving of threads can leave the
+    model switched, or restore it while a block still runs.
     """
+    register()
+    key = id(model.config)
     with _TAKE:
-        if model.config._attn_implementation == name:
-            raise RuntimeError(IN_USE.format(model=type(model).__name__))
-        saved = [(c, c._attn_implementation_internal)
-                 for c in (attention_configs(model) if configs is None else configs)]
+        held = _HELD.get(key)
+        if held is None:
+            held = _HELD[key] = _switch(model, configs)
+        held.count += 1
+    try:
+        yield [config for config, _ in held.saved]
+    finally:
+        with _TAKE:
+            held.count -= 1
+            if not held.count:
+                del _HELD[key]
+                for config, value in held.saved:
+                    config._attn_implementation_internal = value
+                    _OWN.pop(id(config), None)
+
+
+def _switch(model, configs: list | None) -> _Held:
+    """Switch ``model``'s configs to :data:`ATTN_NAME` (under :data:`_TAKE`), or raise having
+    changed nothing."""
+    every = attention_configs(model) if configs is None else configs
+    if any(c._attn_implementation_internal == ATTN_NAME for c in every):
+        raise RuntimeError(f"{type(model).__name__}'s attention implementation is already "
+                           f"{ATTN_NAME!r} outside any ring call (set by hand?): set it back "
+                           f"to the model's own (e.g. model.set_attn_implementation('sdpa'))")
+    before = [(c, c._attn_implementation_internal) for c in every]
+    try:
+        if configs is None:
+            model.set_attn_implementation(ATTN_NAME)
+        else:
+            for config in configs:
+                config._attn_implementation_internal = ATTN_NAME
+    except BaseException:
+        for config, value in before:
+            config._attn_implementation_internal = value
+        raise
+    saved = [(c, value) for c, value in before if c._attn_implementation_internal == ATTN_NAME]
+    _OWN.update({id(c): value for c, value in saved})
+    return _Held(0, saved)
+
+
+@contextmanager
+def forwards_through(model, attention: Callable, mask: Callable | None = None
+                     ) -> Iterator[None]:
+    """In the block, every forward of ``model`` in this thread runs ``attention`` (called as
+    transformers calls an attention function) and ``mask`` (default: no mask); other threads'
+    forwards run the model's own. What the RoPE probe and the StreamingLLM reference run."""
+    serving = _SERVING
+    with hold(model):
+        before = serving.cache, serving.attention, serving.mask
+        serving.cache, serving.attention, serving.mask = None, attention, mask
         try:
-            if configs is None:
-                model.set_attn_implementation(name)
-            else:
-                for config in configs:
-                    config._attn_implementation_internal = name
-        except BaseException:
-            _restore(saved)
-            raise
+            yield
+        finally:
+            serving.cache, serving.attention, serving.mask = before
+
+
+def attention_implementation(model, name: str):
+    """:func:`forwards_through` the attention function registered under ``name`` (and its
+    mask function, if one is registered): this thread's forwards only."""
+    return forwards_through(model, ALL_ATTENTION_FUNCTIONS[name],
+                            ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(name))
+
+
+@contextmanager
+def _serving_one_call(cache: RingCache) -> Iterator[None]:
+    with _TAKE:
+        if id(cache) in _BUSY:
+            raise RuntimeError(CACHE_BUSY)
+        _BUSY.add(id(cache))
     try:
         yield
     finally:
         with _TAKE:
-            _restore(saved)
-
-
-def _restore(saved: list) -> None:
-    for config, value in saved:
-        config._attn_implementation_internal = value
+            _BUSY.discard(id(cache))
 
 
 @contextmanager
 def ring_active(model, cache: RingCache) -> Iterator[None]:
-    """Serve ``cache`` to the model's forwards in a block: what :func:`generate` wraps.
+    """Serve ``cache`` to this thread's ring forwards of ``model`` in a block: what
+    :func:`generate` wraps.
 
     Inside, ``model(input_ids, cache=cache)`` runs the ring path (masks from the cache's stored
-    positions), in this thread only. On exit the model's attention implementation is what it
-    was and this thread serves no cache, also on error; a forward that raised after some of
-    its layers had stepped leaves ``cache`` refused (:meth:`RingCache.check_usable`), never
-    half-written and silently reused. The first block for a cache validates the switch through
-    ``set_attn_implementation``; later ones set the configs it changed.
+    positions); any other forward of the model, here or in another thread, runs the model's
+    own. On exit the model's attention implementation is what it was (once no other call
+    holds it) and this thread serves what it served before, also on error; a forward that
+    raised after some of its layers had stepped leaves ``cache`` refused
+    (:meth:`RingCache.check_usable`), never half-written and silently reused.
     """
     cache.check_usable()
     check_eval_mode(model)
-    register()
-    configs = cache.attention_configs
-    with attention_implementation(model, ATTN_NAME, configs):
-        if configs is None:
-            cache.attention_configs = [c for c in attention_configs(model)
-                                       if c._attn_implementation_internal == ATTN_NAME]
-        before, _SERVING.cache = _SERVING.cache, cache
+    serving = _SERVING
+    with _serving_one_call(cache), hold(model, cache.attention_configs) as configs:
+        cache.attention_configs = configs
+        before = serving.cache, serving.attention, serving.mask
+        serving.cache, serving.attention, serving.mask = cache, None, None
+        cache.sized = False
         try:
             yield
         except BaseException as error:
             cache.forward_failed(error)
             raise
         finally:
-            _SERVING.cache = before
+            serving.cache, serving.attention, serving.mask = before
             cache.end_forward()

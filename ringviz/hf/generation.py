@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
 from ringviz.cache import MakeStep
-from ringviz.checks import check_sinks
+from ringviz.checks import check_int, check_sinks
 from ringviz.hf.attention import ring_active
 from ringviz.hf.cache import RingCache
 
@@ -91,9 +91,11 @@ def check_mask_holes(cache: RingCache, mask: torch.Tensor | None) -> None:
 
 
 def check_inputs(source: torch.Tensor | None, is_ids: bool, attention_mask) -> None:
-    """Raise on inputs transformers would fail on deep inside: ``input_ids`` an integer
-    ``(B, L)`` tensor with ``L >= 1`` (``inputs_embeds`` ``(B, L, d)``), ``attention_mask``
-    ``(B, L)``."""
+    """Raise on inputs transformers would fail on deep inside, or serve wrong: ``input_ids`` an
+    integer ``(B, L)`` tensor with ``L >= 1`` (``inputs_embeds`` ``(B, L, d)``),
+    ``attention_mask`` a ``(B, L)`` tensor of 0s (padding) and 1s (real tokens)."""
+    if attention_mask is not None:
+        check_mask_values(attention_mask)
     if source is not None:
         if not isinstance(source, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(source).__name__}")
@@ -107,6 +109,48 @@ def check_inputs(source: torch.Tensor | None, is_ids: bool, attention_mask) -> N
         if attention_mask is not None and tuple(attention_mask.shape) != tuple(source.shape[:2]):
             raise ValueError(f"attention_mask must be (B, L) = {tuple(source.shape[:2])}, like "
                              f"the input, got {tuple(attention_mask.shape)}")
+
+
+def check_mask_values(attention_mask) -> None:
+    """Raise unless ``attention_mask`` is a tensor of 0s and 1s: Hugging Face's positions count
+    its values (``cumsum``), so a 2 would move every later position while the ring's mask reads
+    it as one real token."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor, got "
+                        f"{type(attention_mask).__name__}")
+    if attention_mask.dtype.is_complex:
+        raise TypeError(f"attention_mask must hold 0s and 1s, got {attention_mask.dtype}")
+    bad = (attention_mask != 0) & (attention_mask != 1)
+    if bool(bad.any()):
+        values = sorted({v.item() for v in attention_mask[bad].unique()[:5]})
+        raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (a real token), "
+                         f"got {values}")
+
+
+def check_position_ids(position_ids, mask: torch.Tensor | None, shape: tuple[int, int]) -> None:
+    """Raise unless ``position_ids`` are the positions the ring computes itself: each real
+    token's index among its row's real tokens (``attention_mask.cumsum(-1) - 1``, what
+    Hugging Face's generate infers), any value on padding. Given positions that agree change
+    nothing, so they are accepted and the ring's own serve."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dtype.is_floating_point \
+            or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        raise TypeError(f"position_ids must be an integer torch.Tensor, got "
+                        f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
+    if position_ids.ndim != 2 or position_ids.shape[1] != shape[1] \
+            or position_ids.shape[0] not in (1, shape[0]):
+        raise ValueError(f"position_ids must be (B, L) = {shape} like input_ids (or (1, L)), "
+                         f"got {tuple(position_ids.shape)}")
+    real = (torch.ones(shape, dtype=torch.bool) if mask is None else mask.to(torch.bool)).to(
+        position_ids.device)
+    expected = real.long().cumsum(-1) - 1
+    wrong = real & (position_ids.expand(shape) != expected)
+    if bool(wrong.any()):
+        b, j = (int(i) for i in wrong.nonzero()[0])
+        raise ValueError(f"position_ids disagree with attention_mask at row {b}, column {j}: "
+                         f"{int(position_ids.expand(shape)[b, j])}, but that token is its "
+                         f"row's real token number {int(expected[b, j])} (from 0), the position "
+                         f"the ring stores it at; a ring serves only positions that count the "
+                         f"real tokens (attention_mask.cumsum(-1) - 1)")
 
 
 def check_storage(model, cache: RingCache) -> None:
@@ -189,6 +233,14 @@ def compiles(model, config: GenerationConfig) -> bool:
     return model.device.type != "cpu" or config.compile_config is not None
 
 
+def call_length(config: GenerationConfig, columns: int) -> int:
+    """The columns a call that starts from ``columns`` reaches at most (Hugging Face's
+    ``max_length`` once it has prepared it)."""
+    if config.max_new_tokens is not None:
+        return columns + int(config.max_new_tokens)
+    return max(int(config.max_length), columns)
+
+
 def _generation_config(model, kwargs: dict) -> GenerationConfig:
     """The generation config this call would use (a copy: the model's stays untouched)."""
     config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
@@ -199,7 +251,6 @@ def _generation_config(model, kwargs: dict) -> GenerationConfig:
 def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
     """Raise on what a ring cannot serve, before anything runs."""
     for name, why in (("past_key_values", "pass cache= (a RingCache) instead"),
-                      ("position_ids", "positions come from attention_mask"),
                       ("cache_implementation", "the cache is a RingCache")):
         if kwargs.get(name) is not None:
             raise ValueError(f"ringviz.hf.generate does not take {name}: {why}")
@@ -214,6 +265,8 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
                          "weights")
     if config.use_cache is False:
         raise ValueError("use_cache=False would bypass the RingCache")
+    if config.prefill_chunk_size is not None:
+        check_int("prefill_chunk_size", config.prefill_chunk_size)
 
 
 def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None = None,
@@ -261,10 +314,15 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
     mask = effective_attention_mask(input_ids if embeds is None else None,
                                     kwargs.get("attention_mask"), config)
     check_mask_holes(cache, mask)
+    position_ids = kwargs.pop("position_ids", None)
+    if position_ids is not None:  # the ring's own positions serve: drop them once checked
+        if source is None:
+            raise ValueError("position_ids need input_ids or inputs_embeds to check them against")
+        check_position_ids(position_ids, mask, tuple(source.shape[:2]))
     before = cache.seen_columns()  # raises for a cache a failed call left refused
     cache.sync_columns(before)
-    if compiles(model, config):  # a compiled decode step cannot grow a ring
-        cache.fit_full()
+    if compiles(model, config):  # a compiled step cannot grow a ring or a full layer
+        cache.fit_full(call_length(config, source.shape[1] if source is not None else 1))
     if source is not None:
         check_continuation(cache, before, source.shape[1], source.shape[0], mask)
     if embeds is not None and config.prefill_chunk_size is not None:

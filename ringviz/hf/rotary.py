@@ -8,7 +8,8 @@
   sink conventions rotate by different amounts, so an exactness check in float64 needs float64
   angles on both sides; this context manager gives the model's rotary embedding exactly that.
 * :func:`check_rope` refuses, when a cache is built, a model whose RoPE the cache convention
-  cannot turn (probed against the model's own ``apply_rotary_pos_emb``).
+  cannot turn (probed against the model's own ``apply_rotary_pos_emb``); :func:`rope_layers`
+  measures which layers rotate at all.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from ringviz.rope import Rope, rotate
 
 
 def rotary_embedding(model) -> torch.nn.Module:
-    """The model's one rotary-embedding module (``model.model.rotary_emb`` for Llama, Gemma 3)."""
-    rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
+    """The model's one rotary-embedding module, on its backbone (``model.model.rotary_emb`` for
+    Llama and Gemma 3, ``model.gpt_neox.rotary_emb`` for GPT-NeoX)."""
+    rotary = getattr(getattr(model, "base_model", None), "rotary_emb", None)
     if rotary is None:
         raise ValueError(f"{type(model).__name__} has no model.rotary_emb: sinks with "
                          f"StreamingLLM's positions need the model's RoPE")
@@ -95,9 +97,6 @@ def attention_modules(model) -> dict[int, torch.nn.Module]:
     return found
 
 
-PROBE_NAME = "ringviz_rope_probe"  # the attention function rope_layers runs the model with
-
-
 def rope_layers(model) -> list[bool]:
     """Per layer: whether its attention rotates keys by position (RoPE) at all.
 
@@ -106,33 +105,30 @@ def rope_layers(model) -> list[bool]:
     two positions. With one token every attention output is its own value, so the hidden states
     do not depend on the position; a layer's keys then differ between the runs exactly when it
     rotates them. A key a layer does not rotate carries no position and is never turned: both
-    sink conventions score it alike.
+    sink conventions score it alike. The probe's attention runs in this thread's forwards only
+    (:func:`~ringviz.hf.attention.forwards_through`): a ring call or a plain call of the same
+    model in another thread meanwhile runs its own.
     """
-    from transformers import AttentionInterface
+    from ringviz.hf.attention import forwards_through  # (it imports this module)
 
-    from ringviz.hf.attention import attention_implementation  # (it imports this module)
-
-    AttentionInterface.register(PROBE_NAME, _probe_attention)
     param = next(model.parameters())
     token = torch.full((1, 1), 1, dtype=torch.int64, device=param.device)
-    keys = []
-    with torch.no_grad(), attention_implementation(model, PROBE_NAME):
+    keys: list[dict[int, torch.Tensor]] = []
+
+    def probe(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+              value: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, None]:
+        """One token's attention (its own value), keeping the layer's key."""
+        keys[-1][module.layer_idx] = key.clone()
+        out = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)  # (B, Hq, 1, D)
+        return out.transpose(1, 2).contiguous(), None
+
+    with torch.no_grad(), forwards_through(model, probe):
         for position in (0, 7):
-            seen: dict[int, torch.Tensor] = {}
+            keys.append({})
             model(input_ids=token, position_ids=torch.full_like(token, position),
-                  use_cache=False, rope_probe=seen)
-            keys.append(seen)
+                  use_cache=False)
     return [not torch.equal(keys[0][i], keys[1][i]) if i in keys[0] else False
             for i in range(model.config.num_hidden_layers)]
-
-
-def _probe_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, attention_mask, scaling: float, dropout: float = 0.0,
-                     **kwargs) -> tuple[torch.Tensor, None]:
-    """One token's attention (its own value), keeping the layer's key for :func:`rope_layers`."""
-    kwargs["rope_probe"][module.layer_idx] = key.clone()
-    out = value.repeat_interleave(query.shape[1] // value.shape[1], dim=1)  # (B, Hq, 1, Dv)
-    return out.transpose(1, 2).contiguous(), None
 
 
 def check_rope(model, rope: Rope, layer_type: str, layers: list[int]) -> None:
