@@ -260,7 +260,7 @@ def test_nbytes_counts_every_layer():
     ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive_search"),
     ({"assistant_early_exit": 1}, "assistant_early_exit"),
     ({"past_key_values": object()}, "past_key_values"),
-    ({"position_ids": torch.arange(8)[None]}, "position_ids"),
+    ({"position_ids": torch.arange(8)[None] + 1}, "position_ids disagree"),  # (agreeing: served)
     ({"cache_implementation": "static"}, "cache_implementation"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
     ({"window": 3}, "differs"),

@@ -3,13 +3,12 @@ was (a plain Hugging Face call afterwards gives Hugging Face's result bit for bi
 caller's cache is intact or refused with a message saying why.
 
 Each test computes Hugging Face's own results first, then runs ring calls that return, raise
-(from a stopping criterion, from inside a layer), are interrupted (KeyboardInterrupt) or race
-another thread, then asks the same plain calls again.
+(from a stopping criterion, from inside a layer), are interrupted (KeyboardInterrupt), run
+beside another thread's calls or inside another call, then asks the same plain calls again.
 """
 
 from __future__ import annotations
 
-import copy
 import threading
 
 import pytest
@@ -149,48 +148,54 @@ class Meet(BaseStreamer):
 def test_two_threads_on_one_model(model, reference):
     ids = prompt(12)
     alone = run(hf.generate, model, ids, max_new_tokens=8).sequences
+    other_alone = hf.generate(model, prompt(7), max_new_tokens=3)
     meet, results = Meet(at=4), {}
     other = hf.RingCache(model)
-    other_before = copy.deepcopy(other)
 
     def first():
         results["first"] = run(hf.generate, model, ids, max_new_tokens=8, streamer=meet)
 
     def second():
         assert meet.inside.wait(60)
-        for name, call in (("ring", lambda: hf.generate(model, prompt(7), cache=other,
-                                                        max_new_tokens=3)),
-                           ("plain", lambda: plain(model))):
-            try:
-                call()
-            except RuntimeError as error:
-                results[name] = str(error)
-        meet.done.set()
+        try:
+            results["ring"] = hf.generate(model, prompt(7), cache=other, max_new_tokens=3)
+            results["plain"] = plain(model)
+        finally:
+            meet.done.set()
 
     threads = [threading.Thread(target=first), threading.Thread(target=second)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
-    # the second ring call is refused before anything runs; a plain call is refused too, and
-    # neither touches the first call, whose tokens are those of the call run alone
-    assert "serving a ringviz.hf call already" in results["ring"]
-    assert "another thread" in results["plain"]
+    # while the first call is part-way, the second thread's ring call (its own cache) and its
+    # plain calls are served, each exactly; the first call's tokens are those of the call alone
+    assert torch.equal(results["ring"], other_alone)
+    before_plain = reference[0]
+    assert torch.equal(results["plain"][0], before_plain[0])
+    assert torch.equal(results["plain"][1], before_plain[1])
     assert torch.equal(results["first"].sequences, alone)
-    assert other.nbytes == other_before.nbytes == 0 and other.refused is None
     assert_model_as_before(model, *reference)
 
 
-def test_a_call_inside_a_call_is_refused(model, reference):
+def test_a_call_inside_a_call(model, reference):
+    """A ring call from inside a ring call (a streamer) is served with its own cache; one that
+    hands it the outer call's cache is refused before anything runs."""
+    inner, outer_cache = {}, hf.RingCache(model)
+
     class Nested(BaseStreamer):
         def put(self, value):
-            hf.generate(model, prompt(5), max_new_tokens=2)
+            if "own" not in inner:
+                inner["own"] = hf.generate(model, prompt(5), max_new_tokens=2)
+                with pytest.raises(RuntimeError, match="serving another call"):
+                    hf.generate(model, prompt(5), cache=outer_cache, max_new_tokens=2)
 
         def end(self):
             pass
 
-    with pytest.raises(RuntimeError, match="serving a ringviz.hf call already"):
-        hf.generate(model, prompt(8), max_new_tokens=3, streamer=Nested())
+    out = hf.generate(model, prompt(8), cache=outer_cache, max_new_tokens=3, streamer=Nested())
+    assert torch.equal(out, hf.generate(model, prompt(8), max_new_tokens=3))
+    assert torch.equal(inner["own"], hf.generate(model, prompt(5), max_new_tokens=2))
     assert_model_as_before(model, *reference)
 
 

@@ -39,7 +39,7 @@ def test_a_changed_mask_reaching_the_attention_raises_never_serves():
     q = torch.zeros(1, 4, 2, 8)
     for mask in (torch.zeros(1, 4, 2, 3, dtype=torch.bool), torch.zeros(1, 1, 2, 3)):
         with pytest.raises(ValueError, match="per-head mask"):
-            attention.attention_hook(torch.nn.Module(), q, q[:, :1, :1].expand(1, 1, 3, 8),
+            attention.ring_attention(torch.nn.Module(), q, q[:, :1, :1].expand(1, 1, 3, 8),
                                      q[:, :1, :1].expand(1, 1, 3, 8), mask, 1.0)
 
 
