@@ -16,12 +16,15 @@ and their median and range reported. Each path first runs once untimed at the ca
 must be the same, or the row says they are not. Every path runs eager (``disable_compile``: on
 CUDA, transformers would otherwise compile the static cache's decode on its own).
 
-Two more parts use SmolLM2 with every layer a ring of ``window`` (a cache that compiles):
+Two more parts:
 
-* ``generate_compiled`` (:func:`compiled_rows`): ``ringviz.hf.generate`` eager against its decode
-  step compiled by inductor (``fullgraph=True``) through transformers' own ``compile_config``.
-* ``generate_memory`` (:func:`generate_memory_rows`): peak RSS and cache bytes of a ring and of
-  Hugging Face's default cache after 20 and 2,000 new tokens, each run in a fresh process.
+* ``generate_compiled`` (:func:`compiled_rows`): ``ringviz.hf.generate`` eager against the same
+  call compiled by inductor (``fullgraph=True``: prefill chunks and decode steps) through
+  transformers' own ``compile_config``, on SmolLM2 with every layer a ring of ``window`` and on
+  Gemma 3 (hybrid: its own window on its sliding layers, static full layers).
+* ``generate_memory`` (:func:`generate_memory_rows`): on SmolLM2 with every layer a ring of
+  ``window``, peak RSS and cache bytes of a ring and of Hugging Face's default cache after 20
+  and 2,000 new tokens, each run in a fresh process.
 """
 
 from __future__ import annotations
@@ -152,13 +155,22 @@ def _graphs_compiled() -> int:
 
 
 @torch.no_grad()
-def compiled_rows(*, name: str = "smollm2", window: int = 256, prompt_tokens: int,
+def compiled_rows(*, name: str | None = None, window: int = 256, prompt_tokens: int,
                   new_tokens: int, reps: int, device: torch.device, log=print) -> list[dict]:
-    """``bench="generate_compiled"`` rows: ring generate eager vs inductor-compiled decode.
+    """``bench="generate_compiled"`` rows: ring generate eager vs inductor-compiled.
 
-    The first compiled call compiles (its time is reported as ``compile_s``); the timed
-    repetitions then alternate eager and compiled, and must compile no new graph.
+    ``name=None``: SmolLM2 (every layer a ring of ``window``) and Gemma 3 (its own window on
+    its sliding layers; hybrid). The first compiled call compiles (its time is reported as
+    ``compile_s``); the timed repetitions then alternate eager and compiled, and must compile
+    no new graph. Each call gets a fresh cache; a compiled call's is allocated whole first
+    (``RingCache.allocate``, static full layers: a compiled step can neither grow nor
+    allocate), an eager call's grows as ``ringviz.hf.generate`` grows it.
     """
+    if name is None:
+        return [row for model, w in (("smollm2", window), ("gemma3", None))
+                for row in compiled_rows(name=model, window=w, prompt_tokens=prompt_tokens,
+                                         new_tokens=new_tokens, reps=reps, device=device,
+                                         log=log)]
     from ringviz import hf
 
     if reps < 1 or prompt_tokens < 1 or new_tokens < 2:
@@ -172,8 +184,13 @@ def compiled_rows(*, name: str = "smollm2", window: int = 256, prompt_tokens: in
     if not hf.RingCache(model, window=window).is_compileable:
         raise ValueError(f"RingCache({name}, window={window}) is not compileable")
 
-    calls = {way: partial(hf.generate, model, ids, window=window, **kwargs[way])
-             for way in ("eager", "inductor")}
+    def call(way: str) -> torch.Tensor:
+        cache = hf.RingCache(model, window=window)
+        if way == "inductor":
+            cache.allocate(1, prompt_tokens + new_tokens, model.dtype, device, static=True)
+        return hf.generate(model, ids, cache=cache, **kwargs[way])
+
+    calls = {way: partial(call, way) for way in ("eager", "inductor")}
     calls["eager"]()  # untimed: faults the weights in
     graphs_before = _graphs_compiled()
     _, compile_s = timed_call(calls["inductor"], device)
@@ -193,14 +210,24 @@ def compiled_rows(*, name: str = "smollm2", window: int = 256, prompt_tokens: in
 
 
 def compiled_figures(rows: list[dict]) -> dict:
-    """Inductor tokens/s over eager, paired per repetition: median and range."""
-    by = {r["impl"]: r for r in rows if r["bench"] == "generate_compiled"}
-    if set(by) != set(COMPILED_IMPLS):
-        return {}
-    return {**_paired_ratios("generate_compiled_inductor_over_eager",
+    """Inductor tokens/s over eager, paired per repetition: median and range, per model
+    (SmolLM2's, or a row's without a model, unsuffixed; another model's suffixed
+    ``_<model>``)."""
+    out: dict = {}
+    for model in dict.fromkeys(r.get("model", "smollm2") for r in rows
+                               if r["bench"] == "generate_compiled"):
+        by = {r["impl"]: r for r in rows if r["bench"] == "generate_compiled"
+              and r.get("model", "smollm2") == model}
+        if set(by) != set(COMPILED_IMPLS):
+            continue
+        tail = "" if model == "smollm2" else f"_{model}"
+        out.update({
+            **_paired_ratios(f"generate_compiled_inductor_over_eager{tail}",
                              by["ring_eager"]["seconds"], by["ring_inductor"]["seconds"]),
-            "generate_compiled_tokens_match": by["ring_inductor"]["tokens_match_eager"],
-            "generate_compiled_recompiles": by["ring_inductor"]["graphs_compiled_while_timed"]}
+            f"generate_compiled_tokens_match{tail}": by["ring_inductor"]["tokens_match_eager"],
+            f"generate_compiled_recompiles{tail}":
+                by["ring_inductor"]["graphs_compiled_while_timed"]})
+    return out
 
 
 @torch.no_grad()

@@ -150,7 +150,7 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     """
 
     is_sliding = True
-    # fixed shapes once whole (a call that may compile makes it whole first: RingCache.fit_full);
+    # fixed shapes once whole (a call that may compile allocates it first: RingCache.allocate);
     # the token count is a tensor, as in HF's StaticLayer
     is_compileable = True
 
@@ -214,19 +214,21 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         """Sink slots now, or once allocated (every sink unless :meth:`fit` said fewer)."""
         return self.sinks if self.sink_slots is None else self.sink_slots
 
-    def fit(self, tokens: int, spare: int = 0) -> None:
+    def fit(self, tokens: int, spare: int = 0, *, whole: bool = False) -> None:
         """Grow (never shrink) to what a forward that brings the columns to ``tokens`` needs.
 
         Positions never pass column indices, so ``tokens`` bounds them: the first
         ``min(sinks, tokens)`` are sinks, in their own slots; the rest take ring slots, as many
         as there are while they fit the window (no position reaches a slot twice: nothing
-        wraps), then the window and ``spare`` draft slots (at most ``draft``).
+        wraps), then the window and ``spare`` draft slots (at most ``draft``). ``whole``: the
+        window and every draft slot now (a run that may compile).
         """
         if self.make_step is not None:
             return
         sinks = min(self.sinks, tokens)
         rest = max(1, tokens - sinks)
-        target = rest if rest <= self.window else self.window + min(spare, self.draft)
+        target = self.full if whole else rest if rest <= self.window else \
+            self.window + min(spare, self.draft)
         target = max(target, self.capacity or 0)
         sinks = max(sinks, self.sink_slots or 0)
         if (target, sinks) == (self.capacity, self.sink_slots):
@@ -349,8 +351,8 @@ class RingLayer(RowsMixin, CacheLayerMixin):
     # ------------------------------------------------------------------ the ring path
     def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool ``(B, 1, T, K)``: which keys of :meth:`step` each query sees."""
-        stored = self.ring.positions if self.ring is not None else None
-        keys = step_key_positions(stored, q_positions, self.sinks_held, self.slots)
+        keys = (step_key_positions(None, q_positions, self.sinks_held, self.slots)
+                if self.ring is None else self.ring.key_positions(q_positions))
         return band_mask(q_positions, keys, self.window, self.sinks)[:, None]
 
     def plain_causal(self, T: int) -> bool:
@@ -374,11 +376,10 @@ class RingLayer(RowsMixin, CacheLayerMixin):
         self.stepped = True
         if self.make_step is not None:
             return self._other_step(query, key, value, positions, scale)
-        if torch.compiler.is_compiling() and (self.slots, self.sinks_held) != (self.full,
-                                                                               self.sinks):
-            raise RuntimeError(f"a compiled step needs the ring at its full {self.sinks} + "
-                               f"{self.full} slots (it holds {self.sinks_held} + "
-                               f"{self.slots}): it cannot grow inside a graph")
+        if torch.compiler.is_compiling() and (self.ring is None or self.slots != self.full):
+            raise RuntimeError(f"a compiled step needs the ring allocated at its full "
+                               f"{self.full} slots (RingCache.allocate for the call's tokens): "
+                               f"it can neither grow nor allocate inside a graph")
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         if causal and query.shape[2] == key.shape[2]:
@@ -388,10 +389,11 @@ class RingLayer(RowsMixin, CacheLayerMixin):
             self.ring.write(key, value, positions, check=False, contiguous=True)
             out = attend(query, self.ring.k, self.ring.v, scale=scale)
         else:  # validated for a chunk that may hold padding: the ring learns what each
-            # row holds (one host read); a decode step is trusted, as the plan built it
-            out = self.ring.step(query, key, value, positions, scale=scale,
-                                 check=key.shape[2] > 1 and not real, contiguous=real,
-                                 mask=mask[:, 0])
+            # row holds (one host read, never in a graph); a decode step is trusted, as the
+            # plan built it
+            check = key.shape[2] > 1 and not real and not torch.compiler.is_compiling()
+            out = self.ring.step(query, key, value, positions, scale=scale, check=check,
+                                 contiguous=real, mask=mask[:, 0])
         self.columns.add_(key.shape[2])
         return out
 
@@ -465,20 +467,22 @@ class FullLayer(RowsMixin, CacheLayerMixin):
     Storage holds exactly the tokens that arrived (a copy into larger storage when more
     arrive, as Hugging Face's ``torch.cat`` does; never reserved for ``max_new_tokens``, so
     never more than Hugging Face's own layer holds) unless a driver that knows its length
-    reserves it (:meth:`fit`, :meth:`RingCache.reserve`); one spare slot past the end takes
+    reserves it (:meth:`fit`, :meth:`RingCache.allocate`); one spare slot past the end takes
     padding writes. Slot ``j`` holds position ``j``: a row's positions count its real tokens
     (``0, 1, 2, ...`` after its padding), so they never pass its column, the stored positions
     are implicit, and a query at ``p`` sees ``0..p``.
 
-    Compileable as a static layer: under ``torch.compile`` a step writes into storage
-    reserved for the whole call and attends over all of it, the slots past each query masked
-    by the causal rule itself; the column count is then a tensor (:attr:`count`), read back by
-    the host only when next asked. Outside a RingCache forward, :meth:`update` keeps HF's
-    layer contract (``DynamicLayer``'s: store, return every token so far).
+    Compileable as a static layer (``static``, set by :meth:`RingCache.allocate` for a call
+    that may compile): a step writes into storage reserved for the whole call and attends over
+    all of it, the slots past each query masked by the causal rule itself, so every step has
+    the same shapes; under ``torch.compile`` the column count is then a tensor
+    (:attr:`count`), read back by the host only when next asked. Outside a RingCache
+    forward, :meth:`update` keeps HF's layer contract (``DynamicLayer``'s: store, return
+    every token so far).
     """
 
     is_sliding = False
-    is_compileable = True  # once its storage is reserved for the call (RingCache.fit_full)
+    is_compileable = True  # once its storage is reserved for the call (RingCache.allocate)
     is_croppable = True  # slot = position: a crop forgets the last columns
 
     def __init__(self) -> None:
@@ -488,6 +492,7 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         self.dense = True  # every column so far a real token: slot j holds position j
         self.allocated = 0  # slots per row in storage (the spare slot aside)
         self.reserve = 0  # slots to allocate at first use (RingRunner knows its length)
+        self.static = False  # attend over every allocated slot: fixed shapes (a compiled call)
         self.device: torch.device | None = None  # the storage's own device, set at first use
         self._k_store: torch.Tensor | None = None
         self._v_store: torch.Tensor | None = None
@@ -560,16 +565,16 @@ class FullLayer(RowsMixin, CacheLayerMixin):
 
     def mask(self, q_positions: torch.Tensor) -> torch.Tensor:
         """Bool ``(B, 1, T, K)``: slot ``j`` (position ``j``) visible to queries ``>= j``, over
-        ``seen + T`` slots (a compiled step's: every reserved slot)."""
-        K = self.allocated if torch.compiler.is_compiling() else \
-            self.columns + q_positions.shape[1]
+        ``seen + T`` slots (a static layer's: every reserved slot)."""
+        K = self.allocated if self.static else self.columns + q_positions.shape[1]
         slots = torch.arange(K, device=q_positions.device)
         return band_mask(q_positions, slots, None)[:, None]  # the window rule, no window
 
     def plain_causal(self, T: int) -> bool:
         """Whether a chunk of ``T`` real tokens, stepped now, sees exactly the causal mask:
-        the layer holds no column yet, so slot ``j`` will hold the chunk's ``j``-th token."""
-        return self.columns == 0
+        the layer holds no column yet, so slot ``j`` will hold the chunk's ``j``-th token (a
+        static layer attends over every slot: never)."""
+        return not self.static and self.columns == 0
 
     def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              positions: torch.Tensor, mask: torch.Tensor, scale: float, *,
@@ -584,9 +589,14 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key, value)
         T = key.shape[2]
+        if self.static and self.columns + T > self.allocated:
+            raise ValueError(f"this call brings the full layers to {self.columns + T} columns, "
+                             f"past the {self.allocated} allocated for it (RingCache.allocate)")
         if not real and self.dense:  # a chunk's one host read; a decode column may be padding
             self.dense = T > 1 and bool((positions >= 0).all())
         keys, values = self._store(key, value, positions, real=real)
+        if self.static:
+            keys, values = self.keys, self.values
         if causal and query.shape[2] == keys.shape[2]:
             return attend(query, keys, values, scale=scale, causal=True)
         if unmasked:
@@ -625,12 +635,10 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         attention over every slot with the plan's mask (:meth:`mask`), the count on the
         device. The host's count and ``dense`` are only written (read back when next asked),
         so the graph guards on neither and never recompiles for them."""
-        if not self.is_initialized:
-            if not self.reserve:
-                raise RuntimeError("a compiled step needs the full layer's storage reserved for "
-                                   "the call's tokens (RingCache.fit_full(tokens)): it cannot "
-                                   "grow inside a graph")
-            self.lazy_initialization(key, value)
+        if not self.static:
+            raise RuntimeError("a compiled step needs the full layer's storage allocated for "
+                               "the call's tokens (RingCache.allocate(..., static=True)): it "
+                               "can neither grow nor allocate inside a graph")
         B, H, T, D = key.shape
         slot = torch.where(positions >= 0, positions, self.allocated)
         self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), key)
@@ -642,8 +650,8 @@ class FullLayer(RowsMixin, CacheLayerMixin):
 
     def sees_everything(self) -> bool:
         """Whether a decode step of every row's next token sees every slot: no row has had
-        padding, so slot ``j`` holds position ``j``."""
-        return self.dense
+        padding, so slot ``j`` holds position ``j`` (a static layer's spare slots: never)."""
+        return self.dense and not self.static
 
     def take_rows(self, index: torch.Tensor) -> None:
         """Row ``i`` becomes row ``index[i]`` (the row operations of :class:`RowsMixin`)."""
@@ -891,13 +899,20 @@ class RingCache(Cache):
         return ring.lengths
 
     def allocate(self, batch_size: int, tokens: int, dtype: torch.dtype,
-                 device: torch.device | str | None) -> None:
-        """Allocate every layer now (rings: their window; full layers: ``tokens`` slots)."""
-        self.reserve(tokens)
+                 device: torch.device | str | None, *, static: bool = False) -> None:
+        """Allocate every layer now for a run that reaches ``tokens`` columns: rings whole
+        (:meth:`fit_full`), full layers ``tokens`` slots. What a driver that knows its length
+        calls (RingRunner), and a call transformers may compile, whose first forward is
+        already in the graph: a compiled step can neither grow nor allocate. Layers that
+        hold tokens keep them (grown where needed). ``static``: the full layers attend over
+        all ``tokens`` slots from now on, so every step of the call has the same shapes (what
+        a compiled call needs; :class:`FullLayer`)."""
+        self.fit_full(tokens)
         for i, layer in enumerate(self.layers):
-            if isinstance(layer, RingLayer):  # no position reaches ``tokens``: sinks below it
-                layer.sink_slots = min(layer.sinks, tokens)
-            if getattr(layer, "make_step", None) is None:  # another ring is made at its step
+            if isinstance(layer, FullLayer):
+                layer.static = static
+            if not layer.is_initialized and getattr(layer, "make_step", None) is None:
+                # (another ring is made at its step)
                 x = torch.empty(batch_size, self.layout.kv_heads[i], 0, self.layout.head_dims[i],
                                 dtype=dtype, device=device)
                 layer.lazy_initialization(x, x)
@@ -975,11 +990,12 @@ class RingCache(Cache):
                 layer.fit(after, spare=spare)
 
     def fit_full(self, tokens: int | None = None) -> None:
-        """Grow every ring to its window, sinks and draft slots now, and size the full layers
-        for ``tokens`` columns (the call's whole length): a compiled step cannot grow."""
+        """Grow every ring to its window and draft slots now, with every sink slot (or, given
+        the ``tokens`` columns a run reaches, the sinks its positions can reach), and size the
+        full layers for ``tokens``: a compiled step cannot grow."""
         for layer in self.layers:
             if isinstance(layer, RingLayer):
-                layer.fit(layer.sinks + layer.full, spare=layer.draft)
+                layer.fit(layer.sinks if tokens is None else tokens, whole=True)
             elif tokens is not None:
                 layer.fit(tokens)
 
@@ -1048,12 +1064,6 @@ class RingCache(Cache):
         """Tell the host the columns every layer holds (read by a caller that synced): a
         compiled step counts nothing on the host (:meth:`_plan`), so a call starts from this."""
         self._columns = columns
-
-    def reserve(self, tokens: int) -> None:
-        """Size the full layers for ``tokens`` at first use (they still grow past it)."""
-        for layer in self.layers:
-            if isinstance(layer, FullLayer) and not layer.is_initialized:
-                layer.reserve = tokens
 
     def crop(self, tokens_to_remove: int) -> None:
         """Forget the last ``-tokens_to_remove`` tokens (assisted decoding's rejected drafts).
