@@ -890,6 +890,45 @@ class RingCache(Cache):
         self.refused = (f"this RingCache cannot be used again: {what}. Build a new one, or "
                         f"copy.deepcopy a cache before a call that may fail")
 
+    def rows(self) -> int | None:
+        """Rows the layers hold (None before any layer holds storage)."""
+        for layer in self.layers:
+            if isinstance(layer, RingLayer) and layer.ring is not None:
+                return layer.ring.batch_size
+            if isinstance(layer, FullLayer) and layer.is_initialized:
+                return layer.keys.shape[0]
+        return None
+
+    def check_rows(self, index: object, what: str) -> torch.Tensor:
+        """``index`` as a 1-D integer tensor of rows this cache holds, or raise (TypeError,
+        ValueError) before any layer changes: HF's row operations call every layer in turn."""
+        index = torch.as_tensor(index)
+        if index.ndim != 1 or index.dtype == torch.bool or index.is_floating_point() \
+                or index.is_complex():
+            raise TypeError(f"{what}: the row index must be a 1-D integer tensor, got "
+                            f"{index.dtype} {tuple(index.shape)}")
+        rows = self.rows()
+        if rows is not None and index.numel():
+            bad = index[(index < 0) | (index >= rows)]
+            if bad.numel():
+                raise ValueError(f"{what}: row index {bad.tolist()} is outside the cache's "
+                                 f"{rows} rows (0..{rows - 1})")
+        return index
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search's reorder: row ``i`` becomes row ``beam_idx[i]``, checked first."""
+        super().reorder_cache(self.check_rows(beam_idx, "reorder_cache"))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (integers, or a bool mask over the rows), checked first."""
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:
+            if indices.ndim != 1 or indices.numel() != (self.rows() or indices.numel()):
+                raise ValueError(f"batch_select_indices: a bool mask must have one entry per "
+                                 f"row ({self.rows()}), got {tuple(indices.shape)}")
+            indices = indices.nonzero()[:, 0]
+        super().batch_select_indices(self.check_rows(indices, "batch_select_indices"))
+
     def row_tokens(self) -> torch.Tensor:
         """``(B,)`` real (unpadded) tokens each row holds: its newest position + 1."""
         ring = next((layer.ring for layer in self.layers
