@@ -14,10 +14,12 @@ module reads:
   speculative decoding asks for **draft slots** (chapter 13: masks still use ``W``, and
   :meth:`RingKVCache.truncate` forgets rejected draft tokens).
 * **validation**: every check runs before anything is written (a rejected call changes
-  nothing), in one host read of the positions, which also tells the host what it may know
-  without reading the ring back (:class:`Told`): whether each row holds its last ``W``
-  positions, so a full ring decodes with no mask (chapter 9), and each row's newest position,
-  so a decode write picks its slot on the host.
+  nothing), in one host read of the positions, which also keeps what the host knows of each
+  row without reading the ring back (:class:`Rows`, two lists of ints): its run of
+  consecutive positions, so a full ring decodes with no mask (chapter 10), and its newest
+  position, so a decode write picks its slot on the host. A trusted call (``check=False``)
+  reads nothing: its rows' runs grow if it vouches for them (``contiguous=True``), else
+  restart from 0.
 * **sinks' two conventions** (``sink_rope``: absolute positions, or StreamingLLM's positions
   inside the cache, :mod:`ringviz.sinks`), and the **row operations** of beam search
   (:meth:`RingKVCache.take_rows`) and speculative rollback (:meth:`RingKVCache.truncate`).
@@ -78,6 +80,8 @@ from ringviz.checks import (
     check_storage,
     check_tensor,
     missing_positions,
+    position_faults,
+    raise_position_fault,
 )
 from ringviz.masks import band_mask, visible
 from ringviz.rope import Rope
@@ -208,24 +212,18 @@ def storage_bytes(batch_size: int, num_kv_heads: int, slots: int, head_dim: int,
     return batch_size * (slots + 1) * (2 * num_kv_heads * head_dim * itemsize + 8)
 
 
-class Told(NamedTuple):
-    """What one call tells a ring about its rows, learned without reading the ring back.
+class Rows(NamedTuple):
+    """What the host knows of every row, without reading the ring back (chapter 7's
+    ``BatchRing`` keeps its rows' lengths the same way).
 
-    ``grow > 0``: the call's ``grow`` tokens are every row's next positions (``next``);
-    ``rows``: each row's run after the call (how many of its newest positions are consecutive,
-    up to ``capacity``), found on the device by validation; neither: the positions were not
-    looked at (a trusted call), so nothing is known. ``least``: the smallest run (host);
-    ``newest``: each row's newest position after the call, on the host, when known.
+    ``runs[b]``: how many of row b's newest positions the ring holds, consecutive (at most
+    ``capacity``): exact after a validated call, a lower bound after a trusted one (0 when its
+    positions were not vouched for). ``newest[b]``: row b's newest position, or None when the
+    host does not know it (after a trusted call, whose positions are never read).
     """
 
-    grow: int = 0
-    rows: torch.Tensor | None = None  # (B,)
-    least: int = 0  # smallest run after the call (host)
-    newest: list[int] | None = None  # (B,) host ints
-
-    @property
-    def next(self) -> bool:
-        return self.grow > 0
+    runs: list[int]
+    newest: list[int] | None
 
 
 class RingKVCache:
@@ -266,10 +264,7 @@ class RingKVCache:
         # newest position per row: kept beside the ring so a decode step never scans all W slots
         self._last_pos = torch.full((batch_size,), -1, dtype=torch.int64, device=self.device)
         self._views()
-        # what the host knows (Told): each row's run at the last look, tokens every row has
-        # grown by since, the smallest run and the rows' newest positions (host values)
-        self._runs = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
-        self._commit(Told(newest=[-1] * batch_size))  # every row empty, as reset() leaves it
+        self._rows = Rows([0] * batch_size, [-1] * batch_size)  # every row empty, as reset()
         self._fresh = True  # no write since made or reset (:attr:`fresh`)
 
     # ------------------------------------------------------------------ storage
@@ -325,7 +320,7 @@ class RingKVCache:
         self._v_store.zero_()
         self._pos_store.fill_(-1)
         self._last_pos.fill_(-1)
-        self._commit(Told(newest=[-1] * self.batch_size))
+        self._rows = Rows([0] * self.batch_size, [-1] * self.batch_size)
         self._fresh = True
 
     # ------------------------------------------------------------------ the window
@@ -344,11 +339,18 @@ class RingKVCache:
         return self._mask(self._last_pos[:, None], self.positions)[:, 0]
 
     def _decode_mask(self, positions: torch.Tensor) -> torch.Tensor:
-        """``(B, 1, S + C)`` visibility for a decode query ``positions`` (B, 1) just written.
+        """``(B, 1, S + C)`` visibility for decode queries ``positions`` (B, 1) just written.
 
-        The window rule (:func:`ringviz.masks.visible`) between the query and every slot.
+        Each query is now its row's newest position, so no stored key comes after it: a ring
+        slot is visible if its position is inside the window, ``pos > q - W`` (the bound
+        clamped to -1, so an empty slot never is; a padding query's above every position), a
+        sink slot if it holds its position. One comparison over the slots, the rest on (B, 1).
         """
-        return visible(positions, self.positions, self.window, self.sinks)[:, None]
+        bound = (positions - self.window).clamp_min_(-1).masked_fill_(positions < 0, _NEVER)
+        mask = self.positions > bound  # (B, S + C)
+        if self.sinks:
+            mask[:, :self.sinks] = (self.positions[:, :self.sinks] >= 0) & (positions >= 0)
+        return mask[:, None]
 
     def _mask(self, q_positions: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
         """``(B, Tq, Tk)`` visibility: the window, plus the sinks when there are any."""
@@ -356,14 +358,6 @@ class RingKVCache:
 
 
     # ------------------------------------------------------------------ what the rows accept
-    def _check_kv(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> Told:
-        """Raise on any malformed input, before anything is written; else what it tells
-        (:meth:`_validated`: one host sync)."""
-        check_kv(k, v, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
-                 head_dim=self.head_dim, dtype=self.dtype, device=self.device)
-        check_tensor("positions", positions, self.device)
-        return self._validated(positions, k.shape[2])
-
     def _check_q(self, q: torch.Tensor, T: int, q_positions: object = None, *,
                  last: bool = False) -> None:
         check_query(q, T, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
@@ -374,74 +368,86 @@ class RingKVCache:
         """Raise if ``positions`` (B, T) could not be written next, writing nothing; else
         whether they are one token per row at its next position. One host sync."""
         check_tensor("positions", positions, self.device)
-        return self._validated(positions, positions.shape[-1] if positions.ndim else -1).next
+        T = positions.shape[-1] if positions.ndim else -1
+        return self._look(positions, T)[1] and T == 1
 
-    def _told(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *, check: bool,
-              contiguous: bool, q: torch.Tensor | None = None) -> Told:
-        """Validate a call (``check``), or take the caller's word: what it tells the runs."""
-        if not check:  # (under torch.compile, a host int read in the graph would recompile it)
-            vouched = contiguous and not torch.compiler.is_compiling()
-            return self._grown(k.shape[2]) if vouched else Told()
-        told = self._check_kv(k, v, positions)
+    def _check_call(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
+                    check: bool, contiguous: bool, q: torch.Tensor | None = None
+                    ) -> tuple[Rows, bool]:
+        """Validate a call (``check``: one host read), or take the caller's word; change
+        nothing. Returns what the host will know of the rows once the call is written, and
+        whether its tokens are every row's next positions (newest + 1, + 2, ...)."""
+        if not check:  # positions never read
+            return self._vouched(k.shape[2]) if contiguous else (
+                Rows([0] * self.batch_size, None), False)
+        check_kv(k, v, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
+                 head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+        T = k.shape[2]
+        check_tensor("positions", positions, self.device)
         if q is not None:  # a chunk's q may hold only its last queries (:meth:`attend_chunk`)
-            self._check_q(q, k.shape[2], last=k.shape[2] > 1)
-        if contiguous and not told.next:
+            self._check_q(q, T, last=T > 1)
+        rows, nxt = self._look(positions, T)
+        if contiguous and not nxt:
             raise ValueError("contiguous=True, but some row's positions are not its newest + 1, "
                              "+ 2, ... (padding or a gap)")
-        return told
+        return rows, nxt
 
-    def _grown(self, T: int) -> Told:
-        """A trusted call of ``T`` tokens, vouched to be every row's next positions.
+    def _vouched(self, T: int) -> tuple[Rows, bool]:
+        """A trusted call of ``T`` tokens that the caller vouches are every row's next
+        positions (``contiguous=True``): each run grows by ``T``, each newest (if known) too.
 
-        The newest positions are then not known: a trusted call's values are not read, and a
-        slot picked on the host would be baked into a CUDA graph that captured the call.
+        Not while ``torch.compile`` traces the call (a host int would be baked into the
+        graph and recompile it) nor while a CUDA graph captures it (a slot picked on the host
+        would be replayed for every later token): there the runs still grow, but the newest
+        positions are forgotten, so every later write picks its slots on the device until a
+        validated call reads them again.
         """
-        return Told(grow=T, least=min(self.capacity, self._least + T))
+        runs = [min(self.capacity, r + T) for r in self._rows.runs]
+        newest = self._rows.newest
+        if newest is None or self._recorded():
+            return Rows(runs, None), True
+        return Rows(runs, [n + T for n in newest]), True
 
-    def _validated(self, positions: torch.Tensor, T: int) -> Told:
-        """:func:`ringviz.checks.check_positions` of ``positions`` (B, T), and what they tell,
-        in one host sync when valid."""
-        last_pos = self._last_pos
+    def _recorded(self) -> bool:
+        """Whether this call is being recorded rather than only run: traced by
+        ``torch.compile`` or captured in a CUDA graph. No host value may steer it then."""
+        return torch.compiler.is_compiling() or (
+            self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+    def _look(self, positions: torch.Tensor, T: int) -> tuple[Rows, bool]:
+        """:func:`ringviz.checks.check_positions` of ``positions`` (B, T), and the rows after
+        them (:meth:`_check_call`), from one host read when valid."""
         if T == 1 and positions.dtype in (torch.int64, torch.int32) \
-                and positions.shape == last_pos.shape + (1,):  # the decode loop's case
-            if self._newest is None:  # one read, of both
-                new, last = torch.stack([positions[:, 0].to(torch.int64), last_pos]).tolist()
-            else:
-                new, last = [p for (p,) in positions.tolist()], self._newest
-            if all(p == q + 1 for p, q in zip(new, last, strict=True)):
-                return Told(grow=1, least=min(self.capacity, self._least + 1), newest=new)
+                and positions.shape == (self.batch_size, 1):  # the decode loop's case
+            return self._look_decode(positions)
+        bad, before = position_faults(positions, self._last_pos, T)
         pos = positions.to(torch.int64)
-        runs: list[torch.Tensor] = []
+        real = pos >= 0
+        gaps = (real & (pos != before + 1)).cumsum(dim=1)  # (B, T) real tokens off their run
+        tail = (real & (gaps == gaps[:, -1:])).sum(dim=1)  # real tokens since the last gap
+        newest = torch.maximum(before[:, -1], pos[:, -1])  # padding (-1) never above
+        n_bad, *rest = torch.cat([bad.sum()[None], tail, gaps[:, -1], newest]).tolist()
+        if n_bad:
+            raise_position_fault(positions, self._last_pos, bad, before)
+        B, C = self.batch_size, self.capacity
+        tails, gapped = rest[:B], rest[B:2 * B]
+        runs = [min(C, t if g else r + t) for t, g, r in zip(tails, gapped, self._rows.runs)]
+        return Rows(runs, rest[2 * B:]), not any(gapped) and min(tails) == T
 
-        def runs_after(before: torch.Tensor) -> torch.Tensor:
-            runs.append(self._runs_after(pos, before))
-            newest = torch.maximum(before[:, -1], pos[:, -1])  # padding (-1) never above
-            return torch.cat([runs[0].min()[None], newest])
-
-        least, *newest = check_positions(positions, last_pos, T, also=runs_after)
-        return Told(rows=runs[0], least=least, newest=newest)
-
-    def _runs_after(self, positions: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
-        """``(B,)`` runs once validated ``positions`` (B, T) are written; ``before`` (B, T) is
-        each token's previous position in its row (-1 for none)."""
-        real = positions >= 0
-        gap = real & (positions != before + 1)  # a real token not right after its row's last
-        seg = gap.cumsum(dim=1)  # (B, T): gaps so far
-        tail = (real & (seg == seg[:, -1:])).sum(dim=1)  # real tokens from the last gap on
-        now = (self._runs if self._runs_known else torch.zeros_like(self._runs))
-        now = now + self._runs_since
-        return torch.where(seg[:, -1] == 0, now + tail, tail).clamp_max(self.capacity)
-
-    def _commit(self, told: Told) -> None:
-        """Take what a call that has now been written told."""
-        if told.next:
-            self._runs_since += told.grow
-        elif told.rows is not None:
-            self._runs.copy_(told.rows)
-            self._runs_since, self._runs_known = 0, True
+    def _look_decode(self, positions: torch.Tensor) -> tuple[Rows, bool]:
+        """:meth:`_look` of one position per row, in plain Python: the positions read once
+        (with each row's newest, when the host does not know them)."""
+        newest = self._rows.newest
+        if newest is None:
+            new, newest = torch.stack([positions[:, 0].to(torch.int64), self._last_pos]).tolist()
         else:
-            self._runs_since, self._runs_known = 0, False
-        self._least, self._newest = told.least, told.newest
+            new = [p for (p,) in positions.tolist()]
+        if any(p <= n and p != -1 for p, n in zip(new, newest)):  # -1: padding, no write
+            check_positions(positions, self._last_pos, 1)  # raises, naming the row
+        runs = [r if p < 0 else min(self.capacity, r + 1) if p == n + 1 else 1
+                for p, n, r in zip(new, newest, self._rows.runs)]
+        return (Rows(runs, [max(p, n) for p, n in zip(new, newest)]),
+                all(p == n + 1 for p, n in zip(new, newest)))
 
     # ------------------------------------------------------------------ the ring
     def write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, *,
@@ -455,56 +461,66 @@ class RingKVCache:
         every row's positions are its newest + 1, + 2, ... (no padding, no gap), which is what
         lets a trusted loop's full ring decode without a mask (:meth:`step`).
         """
-        self._write(k, v, positions.to(torch.int64),
-                    self._told(k, v, positions, check=check, contiguous=contiguous))
+        rows, nxt = self._check_call(k, v, positions, check=check, contiguous=contiguous)
+        self._write(k, v, positions.to(torch.int64), rows, nxt)
 
-    def _write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-               told: Told) -> None:
-        """:meth:`write` of trusted int64 ``positions``, then the runs take what ``told`` says."""
-        B, H, T, D = k.shape
+    def _write(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, rows: Rows,
+               nxt: bool) -> None:
+        """:meth:`write` of checked (or trusted) int64 ``positions``; the host then knows
+        ``rows``. ``nxt``: every row's token is its next position (:meth:`_check_call`)."""
         self._fresh = False
-        if T == 1 and told.next and not self.sinks:  # every row's newest + 1: stored, no guard
-            slots = {p % self.capacity for p in told.newest or ()}  # one, known on the host?
-            self._write_one(k, v, positions, slots.pop() if len(slots) == 1
-                            else positions[:, 0] % self.capacity)
-            self._last_col.copy_(positions)
-            self._commit(told)
-            return
-        if T == 1:  # decode: a real token is always the row's newest, so it is always kept
-            newest = torch.maximum(self._last_pos, positions[:, 0])  # (B,)
-            keep = positions >= 0
+        if positions.shape[1] == 1:
+            self._write_token(k, v, positions, rows.newest if nxt else None, nxt)
         else:
-            newest = torch.maximum(self._last_pos, positions.max(dim=1).values)  # (B,)
-            recent = positions > newest[:, None] - self.capacity  # (B, T)
-            if self.sinks:
-                recent = recent | (positions < self.sinks)
-            keep = (positions >= 0) & recent
-        # kept ring tokens of a row span < C positions, so their slots are distinct; the rest
-        # share the spare slot, whose contents are never read
-        slot = torch.where(keep, home_slots(positions, self.sinks, self.capacity), self._spare)
-        if T == 1:
-            self._write_one(k, v, positions, slot[:, 0])
-        else:
-            self._k_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), k)
-            self._v_store.scatter_(2, slot[:, None, :, None].expand(B, H, T, D), v)
-            self._pos_store.scatter_(1, slot, positions)
-        self._last_pos.copy_(newest)
-        self._commit(told)
+            self._write_chunk(k, v, positions)
+        self._rows = rows
 
-    def _write_one(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                   slot: torch.Tensor | int) -> None:
-        """Store one token per row (``positions`` (B, 1)), row b's in slot ``slot[b]`` (B,),
-        or in one slot known on the host for every row: then three strided copies and no
-        index arithmetic (a decode step's eager ops cost microseconds each)."""
-        if isinstance(slot, int):
+    def _write_token(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                     newest: list[int] | None, nxt: bool) -> None:
+        """A decode write, ``positions`` (B, 1). Each row's next position (``nxt``) is its
+        newest and goes to its home slot; one slot for every row, known on the host
+        (``newest``: validated or vouched), is three strided copies with no index arithmetic
+        (a decode step's eager ops cost microseconds each). Anything else: padding to the
+        spare slot."""
+        S, C = self.sinks, self.capacity
+        if newest is not None and min(newest) == max(newest):
+            p = newest[0]
+            slot = p if p < S else S + p % C
             self._k_store.narrow(2, slot, 1).copy_(k)
             self._v_store.narrow(2, slot, 1).copy_(v)
             self._pos_store.narrow(1, slot, 1).copy_(positions)
+            self._last_col.copy_(positions)
             return
+        pos = positions[:, 0]
+        slot = home_slots(pos, S, C)
+        if not nxt:  # padding (-1) writes the spare slot and leaves the row's newest
+            slot = torch.where(pos >= 0, slot, self._spare)
         rows = (self._head_base + slot[:, None]).view(-1)  # (B * num_kv_heads,) storage rows
         self._k_rows.index_copy_(0, rows, k.reshape(-1, self.head_dim))
         self._v_rows.index_copy_(0, rows, v.reshape(-1, self.head_dim))
-        self._pos_rows.index_copy_(0, self._pos_base + slot, positions.view(-1))
+        self._pos_rows.index_copy_(0, self._pos_base + slot, pos)
+        if nxt:
+            self._last_col.copy_(positions)
+        else:
+            torch.maximum(self._last_pos, pos, out=self._last_pos)
+
+    def _write_chunk(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """A chunk's write, ``positions`` (B, T): one scatter per tensor. A row keeps its
+        newest ``C`` positions (and its sinks); the rest, padding too, go to the spare slot."""
+        B, H, T, D = k.shape
+        newest = torch.maximum(self._last_pos, positions.max(dim=1).values)  # (B,)
+        recent = positions > newest[:, None] - self.capacity  # (B, T)
+        if self.sinks:
+            recent = recent | (positions < self.sinks)
+        keep = (positions >= 0) & recent
+        # kept ring tokens of a row span < C positions, so their slots are distinct; the rest
+        # share the spare slot, whose contents are never read
+        slot = torch.where(keep, home_slots(positions, self.sinks, self.capacity), self._spare)
+        index = slot[:, None, :, None].expand(B, H, T, D)
+        self._k_store.scatter_(2, index, k)
+        self._v_store.scatter_(2, index, v)
+        self._pos_store.scatter_(1, slot, positions)
+        self._last_pos.copy_(newest)
 
     @property
     def fresh(self) -> bool:
@@ -523,14 +539,14 @@ class RingKVCache:
     def full_after(self, grow: int) -> bool:
         """Whether every row holds its last ``window`` positions, and nothing else, once each
         writes its next ``grow`` positions: then a decode query at each row's next position
-        sees every stored key, and attends without a mask (chapter 9).
+        sees every stored key, and attends without a mask (chapter 10).
 
-        Known on the host, from what the ring was told (:class:`Told`), never read back. Never
+        Known on the host, from each row's run (:class:`Rows`), never read back. Never
         with sinks, nor with draft slots (``capacity > window``: they hold keys that have left
         the window). ``ringviz.hf`` asks it before a decode step's write; :meth:`step` after.
         """
         return (not self.sinks and self.capacity == self.window
-                and self._least + grow >= self.capacity)
+                and min(self._rows.runs, default=0) + grow >= self.capacity)
 
     def attend(self, q: torch.Tensor, q_positions: torch.Tensor, *,
                scale: float | None = None) -> torch.Tensor:
@@ -567,18 +583,18 @@ class RingKVCache:
         (``ringviz.hf``'s forward plan); by default the step builds it.
         """
         check_scale(scale)
-        told = self._told(k, v, positions, check=check, contiguous=contiguous, q=q)
+        rows, nxt = self._check_call(k, v, positions, check=check, contiguous=contiguous, q=q)
         if positions.dtype != torch.int64:
             positions = positions.to(torch.int64)
-        if k.shape[2] == 1:  # decode: write first, then one attention over the raw ring
-            self._write(k, v, positions, told)
-            if told.next and mask is None and self.window_full:  # every key in its window
-                return attend(q, self.k, self.v, scale=scale)
-            mask = self._decode_mask(positions) if mask is None else mask  # (B, 1, S + C)
-            return self.attend_keys(q, positions, self.k, self.v, mask, scale)
-        out = self.attend_chunk(q, k, v, positions, scale=scale, mask=mask)
-        self._write(k, v, positions, told)
-        return out
+        if k.shape[2] > 1:  # a chunk: attend over [ring | chunk] first, then write
+            out = self.attend_chunk(q, k, v, positions, scale=scale, mask=mask)
+            self._write(k, v, positions, rows, nxt)
+            return out
+        self._write(k, v, positions, rows, nxt)  # decode: write, then attend over the raw ring
+        if nxt and mask is None and self.window_full:  # every stored key in every window
+            return attend(q, self.k, self.v, scale=scale)
+        mask = self._decode_mask(positions) if mask is None else mask  # (B, 1, S + C)
+        return self.attend_keys(q, positions, self.k, self.v, mask, scale)
 
     def attend_chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      positions: torch.Tensor, *, scale: float | None = None,
@@ -637,7 +653,7 @@ class RingKVCache:
         For a ring that grows with its tokens (``ringviz.hf``: never more slots than tokens).
         Each row holds at most its last ``self.capacity`` positions, so they stay distinct
         modulo a capacity as large or larger, and nothing is lost. What the host knew
-        (:class:`Told`) still holds: the same rows, the same positions.
+        (:class:`Rows`) still holds: the same rows, the same positions.
         """
         capacity = check_int("capacity", capacity, self.capacity)
         window = check_int("window", window, self.window)
@@ -657,9 +673,7 @@ class RingKVCache:
             store[:, :, new._spare].zero_()
         new._pos_store[:, new._spare] = -1
         new._last_pos.copy_(self._last_pos)
-        new._runs.copy_(self._runs)
-        new._runs_since, new._runs_known = self._runs_since, self._runs_known
-        new._least, new._newest, new._fresh = self._least, self._newest, self._fresh
+        new._rows, new._fresh = self._rows, self._fresh
         return new
 
     # ------------------------------------------------------------------ rows
@@ -683,8 +697,9 @@ class RingKVCache:
             check_storage(f"take_rows of {index.numel()} rows",
                           self.nbytes // self.batch_size * index.numel(), self.device)
         stores = (self._k_store, self._v_store, self._pos_store, self._last_pos)
-        # each row's run goes with it; the smallest stays a lower bound; the newest are forgotten
-        self._runs, self._newest = self._runs.index_select(0, index), None
+        # the index is not read: every row keeps the smallest run (a lower bound), the newest
+        # are forgotten
+        self._rows = Rows([min(self._rows.runs, default=0)] * index.numel(), None)
         if index.numel() == self.batch_size:
             for t in stores:
                 t.copy_(t.index_select(0, index))
@@ -710,7 +725,7 @@ class RingKVCache:
         lengths = lengths.to(torch.int64)
         self._pos_store.masked_fill_(self._pos_store >= lengths[:, None], -1)
         torch.minimum(self._last_pos, lengths - 1, out=self._last_pos)
-        self._commit(Told())  # how many of each row's positions are left is not known
+        self._rows = Rows([0] * self.batch_size, None)  # what each row holds now: not read
 
     def check_truncation(self, lengths: torch.Tensor) -> None:
         """Raise what :meth:`truncate` would refuse (:func:`check_truncate`), changing nothing."""

@@ -135,21 +135,29 @@ def check_query(q: object, T: int, *, batch_size: int, num_kv_heads: int, head_d
                          f"{q_positions.dtype} {tuple(q_positions.shape)}")
 
 
-def check_positions(positions: torch.Tensor, newest: torch.Tensor, T: int, *,
-                    also: Callable[[torch.Tensor], torch.Tensor] | None = None
-                    ) -> list[int] | None:
+def check_positions(positions: torch.Tensor, newest: torch.Tensor, T: int) -> None:
     """New positions ``(B, T)`` that may follow rows whose newest stored positions are ``newest``.
 
     Integer, of shape ``(len(newest), T)``; per row, every position but padding (-1) after the
-    row's newest and after the ones before it in the chunk. One host sync when valid. ``also``
-    maps ``before`` (B, T), each token's previous position in its row (-1: none), to a 1-D
-    int64 tensor, which is read in that same sync and returned as a list.
+    row's newest and after the ones before it in the chunk. One host sync when valid
+    (:func:`position_faults`, then :func:`raise_position_fault` if any).
 
     >>> check_positions(torch.tensor([[3, -1, 5]]), torch.tensor([2]), 3)
     >>> check_positions(torch.tensor([[2]]), torch.tensor([2]), 1)
     Traceback (most recent call last):
     ValueError: row 0: position 2 is not after the row's cached positions (newest 2)
     """
+    bad, before = position_faults(positions, newest, T)
+    if bool(bad.any()):  # the only host sync of a valid call
+        raise_position_fault(positions, newest, bad, before)
+
+
+def position_faults(positions: torch.Tensor, newest: torch.Tensor, T: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`check_positions` without reading anything back: the dtype and shape are checked
+    (raising), then ``bad`` (B, T), the tokens that do not come after their row's previous
+    position, and ``before`` (B, T), that previous position (-1: none), are computed on the
+    device, so a caller can read them in the same sync as other values."""
     B = newest.shape[0]
     if positions.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"positions must be int64 or int32, got {positions.dtype}")
@@ -160,14 +168,13 @@ def check_positions(positions: torch.Tensor, newest: torch.Tensor, T: int, *,
         running = torch.cummax(positions.clamp_min(-1), dim=1).values
         before = torch.cat([before, torch.maximum(running[:, :-1], before)], dim=1)
     # all but padding must come after `before` (>= -1): this also refuses -2, -3, ...
-    bad = (positions <= before) & (positions != -1)  # (B, T)
-    if also is None:
-        if not bool(bad.any()):  # the only host sync of a valid call
-            return None
-    else:
-        n_bad, *values = torch.cat([bad.sum()[None], also(before)]).tolist()  # the one sync
-        if not n_bad:
-            return values
+    return (positions <= before) & (positions != -1), before.expand(B, T)
+
+
+def raise_position_fault(positions: torch.Tensor, newest: torch.Tensor, bad: torch.Tensor,
+                         before: torch.Tensor) -> None:
+    """Raise ValueError for the first fault :func:`position_faults` found (host reads: this
+    runs only on a refused call)."""
     if bool((positions < -1).any()):
         raise ValueError("positions must be >= 0, or -1 for padding; got other negatives")
     b, t = (int(i) for i in bad.nonzero()[0])
@@ -176,7 +183,7 @@ def check_positions(positions: torch.Tensor, newest: torch.Tensor, T: int, *,
         raise ValueError(f"row {b}: position {pos} is not after the row's cached "
                          f"positions (newest {last})")
     raise ValueError(f"row {b}: positions must strictly increase, got {pos} after "
-                     f"{int(before.expand_as(positions)[b, t])}")
+                     f"{int(before[b, t])}")
 
 
 def missing_positions(stored: torch.Tensor, lengths: torch.Tensor, window: int

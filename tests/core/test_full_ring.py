@@ -214,23 +214,47 @@ def test_window_full_in_a_trusted_loop_needs_contiguous():
     assert not cache.window_full
 
 
-def test_trusted_decode_step_is_one_op_sequence_for_any_position():
-    """A trusted step (check=False, contiguous=True) must be capturable in a CUDA graph: the
-    same ops with the same non-tensor arguments whatever the positions, so nothing about them
-    (a slot picked on the host) is baked in. A validated step reads them and may differ."""
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.calls = []
+class Ops(TorchDispatchMode):
+    """Records each op with its non-tensor arguments (a slot picked on the host shows)."""
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            plain = tuple(a for a in args if not isinstance(a, torch.Tensor | list))
-            self.calls.append((func, plain))
-            return func(*args, **(kwargs or {}))
+    def __init__(self):
+        super().__init__()
+        self.calls = []
 
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        plain = tuple(a for a in args if not isinstance(a, torch.Tensor | list))
+        self.calls.append((func, plain))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_recorded_trusted_decode_step_is_one_op_sequence_for_any_position(monkeypatch):
+    """A trusted step (check=False, contiguous=True) recorded in a CUDA graph (or traced by
+    torch.compile) runs the same ops with the same non-tensor arguments whatever the
+    positions, so no slot picked on the host is baked in; it then forgets each row's newest,
+    so the eager steps after it (replays advanced the rows unseen) pick their slots on the
+    device too, until a validated step reads them again. (A CPU test: capture is simulated.)"""
     cache, pos = full_ring()
-    seen = [m.calls for m in recorded_steps(cache, pos, Ops, 3, check=False, contiguous=True)]
-    assert seen[0] == seen[1] == seen[2]
-    # the recorder sees a host slot: a validated step picks it (narrow's start)
-    validated = [m.calls for m in recorded_steps(cache, pos, Ops, 2)]
-    assert validated[0] != validated[1]
+    list(recorded_steps(cache, pos, Ops, 1))  # validated: the host knows each row's newest
+    monkeypatch.setattr(RingKVCache, "_recorded", lambda self: True)
+    seen = [m.calls for m in recorded_steps(cache, pos, Ops, 2, check=False, contiguous=True)]
+    monkeypatch.undo()
+    seen += [m.calls for m in recorded_steps(cache, pos, Ops, 2, check=False, contiguous=True)]
+    assert seen[0] == seen[1] == seen[2] == seen[3]
+    assert cache.window_full  # the runs still grew
+
+
+def test_a_trusted_loop_after_validation_writes_host_slots_and_stays_exact():
+    """Run eagerly, the trusted loop keeps each row's newest on the host from the last
+    validated step (+1 per vouched token), so it writes one slot known on the host, as the
+    validated step does (narrow's start differs step to step), with the same state."""
+    torch.manual_seed(0)
+    cache, pos = full_ring()
+    list(recorded_steps(cache, pos, Ops, 1))
+    trusted = [m.calls for m in recorded_steps(cache, pos, Ops, 3, check=False, contiguous=True)]
+    torch.manual_seed(0)
+    ref, ref_pos = full_ring()
+    list(recorded_steps(ref, ref_pos, Ops, 1))
+    validated = [m.calls for m in recorded_steps(ref, ref_pos, Ops, 3)]
+    assert trusted[0] != trusted[1] and validated[0] != validated[1]
+    for a, b in zip(ring_tensors(cache), ring_tensors(ref), strict=True):
+        assert torch.equal(a, b)
