@@ -12,16 +12,16 @@ from __future__ import annotations
 import torch
 
 from ringviz import RingKVCache
-from ringviz.cache import Told
+from ringviz.cache import Rows
 from ringviz.hf import attention
 
 
 class MaskedRing(RingKVCache):
     """The masked path always: validates like the ring, then claims to know nothing."""
 
-    def _told(self, *args, **kwargs) -> Told:
-        super()._told(*args, **kwargs)
-        return Told()
+    def _check_call(self, *args, **kwargs) -> tuple[Rows, bool]:
+        super()._check_call(*args, **kwargs)
+        return Rows([0] * self.batch_size, None), False
 
 
 def ring_tensors(cache: RingKVCache) -> tuple[torch.Tensor, ...]:
