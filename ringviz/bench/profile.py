@@ -10,7 +10,7 @@ stages and time each, for the two paths:
 * ``unmasked`` (:attr:`ringviz.RingKVCache.window_full`): validation that reads the positions
   once with ``tolist`` (the one host sync; the rows' newest with them if the host does not
   already hold those) and finds each its row's newest + 1
-  (``RingKVCache._validated``), the write of every row's next slot, SDPA with no mask.
+  (``RingKVCache._look``), the write of every row's next slot, SDPA with no mask.
 
 A stage's time is the difference between two cumulative runs (the stages before it, then one
 more), all timed in the same interleaved blocks as the other benches, with ``attention_only``
@@ -27,7 +27,7 @@ import torch
 
 from ringviz.bench.cases import Prefill, Shape, Token, _full_ring, decode_step
 from ringviz.bench.harness import Case, measure_interleaved
-from ringviz.cache import RingKVCache, Told
+from ringviz.cache import RingKVCache, Rows
 from ringviz.checks import check_positions
 
 STAGES = {"masked": ("loop", "validation", "write", "mask", "attention"),
@@ -41,7 +41,7 @@ def masked_step(cache: RingKVCache, q: torch.Tensor, k: torch.Tensor, v: torch.T
     check_positions(pos, cache._last_pos, 1)  # the general check: one host sync
     if upto == "validation":
         return None
-    cache._write(k, v, pos, Told())  # told nothing: the guarded write
+    cache._write(k, v, pos, Rows([0] * cache.batch_size, None), False)  # the guarded write
     if upto == "write":
         return None
     mask = cache._decode_mask(pos)
@@ -55,9 +55,9 @@ def unmasked_step(cache: RingKVCache, q: torch.Tensor, k: torch.Tensor, v: torch
     """The full ring's step up to ``upto``; ``"attention"`` is :meth:`RingKVCache.step`."""
     if upto == "attention":
         return cache.step(q, k, v, pos)
-    told = cache._told(k, v, pos, check=True, contiguous=False, q=q)
+    rows, nxt = cache._check_call(k, v, pos, check=True, contiguous=False, q=q)
     if upto == "write":
-        cache._write(k, v, pos, told)
+        cache._write(k, v, pos, rows, nxt)
     return None
 
 
