@@ -781,8 +781,11 @@ class RingCache(Cache):
     verified chunk of ``T`` reply tokens may lose ``T - 1``). A full layer holds exactly its
     tokens. So at every length a RingCache holds what Hugging Face's default cache holds, plus
     per layer one spare slot for padding writes (and on sliding layers the ``W``-th key HF drops
-    after attending) and each slot's stored position. A call transformers may compile (on an
-    accelerator) allocates every ring whole first: a compiled step cannot grow one.
+    after attending) and each slot's stored position. Sink slots grow with their tokens too. A
+    call transformers may compile (on an accelerator, or with a ``compile_config``) is
+    allocated whole first, for its length (:meth:`allocate` with ``static=True``: rings at
+    their window, full layers fixed-shape): a compiled forward, the prefill chunks' as well as
+    the decode steps', can neither grow nor allocate.
 
     One forward: transformers asks the mask hook for each layer kind's mask, and the first ask
     fills :attr:`plan` (:meth:`make_plan`); each layer's ``update`` then hands its new tokens on,
