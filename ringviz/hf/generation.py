@@ -334,8 +334,11 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
         check_position_ids(position_ids, mask, tuple(source.shape[:2]))
     before = cache.seen_columns()  # raises for a cache a failed call left refused
     cache.sync_columns(before)
-    if compiles(model, config):  # a compiled step cannot grow a ring or a full layer
-        cache.fit_full(call_length(config, source.shape[1] if source is not None else 1))
+    if compiles(model, config):  # a compiled call's forwards can neither grow nor allocate
+        rows = source.shape[0] if source is not None else 1
+        cache.allocate(rows * max(config.num_beams or 1, config.num_return_sequences or 1),
+                       call_length(config, source.shape[1] if source is not None else 1),
+                       model.dtype, model.device, static=True)
     if source is not None:
         check_continuation(cache, before, source.shape[1], source.shape[0], mask)
     if embeds is not None and config.prefill_chunk_size is not None:
