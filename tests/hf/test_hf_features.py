@@ -253,3 +253,20 @@ def test_output_attentions_with_sinks_is_refused_before_anything_runs(eager):
     with pytest.raises(ValueError, match="output_attentions is not served with sinks"):
         weights_run(hf.generate, eager, prompt(8), cache=cache, max_new_tokens=2)
     assert hf_state(eager, cache) == before
+
+
+@pytest.mark.parametrize(("index", "error", "match"), [
+    (torch.tensor([0, 2]), ValueError, r"row index \[2\] is outside the cache's 2 rows"),
+    (torch.tensor([-1, 0]), ValueError, "outside the cache's 2 rows"),
+    (torch.tensor([0.0, 1.0]), TypeError, "integer"),
+])
+def test_an_out_of_range_reorder_index_is_refused_and_changes_nothing(model, index, error,
+                                                                      match):
+    cache = hf.RingCache(model)
+    hf.generate(model, prompt(9, batch=2), cache=cache, max_new_tokens=2, do_sample=False,
+                pad_token_id=0)
+    twin = copy.deepcopy(cache)
+    with pytest.raises(error, match=match):
+        cache.reorder_cache(index)
+    for a, b in zip(cache.layers, twin.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
