@@ -64,6 +64,7 @@ _TAKE = threading.Lock()  # guards _HELD, _OWN, _BUSY and every switch of a mode
 _HELD: dict[int, _Held] = {}  # id(model.config) -> its hold, only while held
 _OWN: dict[int, str | None] = {}  # id(config) -> its own implementation, only while held
 _BUSY: set[int] = set()  # id of each RingCache serving a call now
+_NOT_HELD = object()  # what _OWN gives for a config that is not held
 
 CACHE_BUSY = ("this RingCache is serving another call now (another thread's, or a call inside "
               "a call): a cache serves one call at a time; give each call its own "
@@ -115,8 +116,9 @@ def _is_plain_causal(mask_function: Callable, local_size: int | None,
 def own_implementation(config) -> str | None:
     """The attention implementation ``config`` had before it was held (its current one once
     restored: a forward that read :data:`ATTN_NAME` just before the restore still finds it)."""
-    if id(config) in _OWN:
-        return _OWN[id(config)]
+    own = _OWN.get(id(config), _NOT_HELD)  # one read: another thread may restore meanwhile
+    if own is not _NOT_HELD:
+        return own
     with _TAKE:  # not held now, or being restored: the lock makes the two reads agree
         return _OWN.get(id(config), config._attn_implementation)
 
