@@ -13,7 +13,7 @@ import json
 import os
 import sys
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ringviz.checks import SINK_CONVENTIONS
 
@@ -212,28 +212,25 @@ def _cmd_chat(args: argparse.Namespace) -> dict:
             "turns": len(turns), "tokens": chat.ids.shape[1], "cache_bytes": chat.cache.nbytes}
 
 
-def _cases(text: str) -> list[tuple[int, int]]:
-    """``"1x96,8x2048"`` -> ``[(1, 96), (8, 2048)]`` (batch x new tokens)."""
-    try:
-        cases = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
-    except ValueError:
-        cases = []
-    if not cases or any(len(c) != 2 or c[0] < 1 or c[1] < 2 for c in cases):
-        raise argparse.ArgumentTypeError(
-            f"expected BATCHxNEW[,BATCHxNEW...] with BATCH >= 1, NEW >= 2; got {text!r}")
-    return cases
+def _pairs(first: str, second: str, low: tuple[int, int]) -> Callable[[str], list]:
+    """A parser of ``"AxB[,AxB...]"`` into ``[(A, B), ...]``, each ``A >= low[0]``,
+    ``B >= low[1]`` (``first``, ``second``: the numbers' names in the error)."""
+    def parse(text: str) -> list[tuple[int, int]]:
+        try:
+            cases = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
+        except ValueError:
+            cases = []
+        if not cases or any(len(c) != 2 or c[0] < low[0] or c[1] < low[1] for c in cases):
+            raise argparse.ArgumentTypeError(
+                f"expected {first}x{second}[,{first}x{second}...] with {first} >= {low[0]}, "
+                f"{second} >= {low[1]}; got {text!r}")
+        return cases
+
+    return parse
 
 
-def _window_batches(text: str) -> list[tuple[int, int]]:
-    """``"1024x1,4096x8"`` -> ``[(1024, 1), (4096, 8)]`` (window x batch)."""
-    try:
-        cases = [tuple(int(n) for n in item.split("x")) for item in text.split(",")]
-    except ValueError:
-        cases = []
-    if not cases or any(len(c) != 2 or c[0] < 2 or c[1] < 1 for c in cases):
-        raise argparse.ArgumentTypeError(
-            f"expected WINDOWxBATCH[,WINDOWxBATCH...] with WINDOW >= 2, BATCH >= 1; got {text!r}")
-    return cases
+_cases = _pairs("BATCH", "NEW", (1, 2))  # "1x96,8x2048": batch x new tokens
+_window_batches = _pairs("WINDOW", "BATCH", (2, 1))  # "1024x1,4096x8": window x batch
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,8 +18,9 @@ import torch
 Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # f(x (B, H, T, D), positions (B, T))
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
-    """Rotation angles ``pos * theta^(-2i/head_dim)``: float64 ``(..., T, head_dim // 2)``."""
+def rope_angles(positions: torch.Tensor, head_dim: int,
+                theta: float = 10000.0) -> torch.Tensor:
+    """The angles ``pos * theta^(-2i/head_dim)``, float64 ``(..., T, head_dim // 2)``."""
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"head_dim must be a positive even number, got {head_dim}")
     if theta <= 0:
@@ -30,13 +31,13 @@ def rope_angles(positions: torch.Tensor, head_dim: int, theta: float = 10000.0) 
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[x1, x2] -> [-x2, x1]`` on the last dim (the pairing HF's Llama/Gemma weights expect)."""
+    """``[x1, x2] -> [-x2, x1]`` on the last dim, as HF's Llama/Gemma weights expect."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The RoPE rotation ``x cos + rotate_half(x) sin`` (HF's layout); ``-sin`` undoes it."""
+    """The RoPE rotation ``x cos + rotate_half(x) sin``, HF's layout; ``-sin`` undoes it."""
     return x * cos + rotate_half(x) * sin
 
 

@@ -1,7 +1,7 @@
-"""The seed articles' own memory formulas, as printed, so every chapter quotes them one way.
+"""The seed articles' own memory formulas, as printed, so the book quotes them one way.
 
-Chapters 1 and 10 check these against ``ringviz.book.memory``; the numbers here are the articles',
-right or wrong, never ours.
+The evidence (``notebooks/evidence_seeds.ipynb``) checks these against ``ringviz.book.memory``;
+the numbers here are the articles', right or wrong, never ours.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from transformers import AttentionInterface, PreTrainedConfig
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ringviz.hf.cache import NOT_THROUGH_GENERATE, RingCache
+from ringviz.hf.cache import NOT_THROUGH_GENERATE, FullLayer, RingCache
 from ringviz.masks import band_mask
 
 ATTN_NAME = "ringviz_hf"  # the attention and mask functions' name in transformers' registries
@@ -48,6 +48,7 @@ class _Serving(threading.local):
     cache: RingCache | None = None  # the ring call this thread runs
     attention: Callable | None = None  # run by every forward of the block (a probe)
     mask: Callable | None = None  # its mask function (None: no mask)
+    weights: bool = False  # the ring call asked for attention weights (output_attentions)
 
 
 @dataclass
@@ -63,6 +64,7 @@ _TAKE = threading.Lock()  # guards _HELD, _OWN, _BUSY and every switch of a mode
 _HELD: dict[int, _Held] = {}  # id(model.config) -> its hold, only while held
 _OWN: dict[int, str | None] = {}  # id(config) -> its own implementation, only while held
 _BUSY: set[int] = set()  # id of each RingCache serving a call now
+_NOT_HELD = object()  # what _OWN gives for a config that is not held
 
 CACHE_BUSY = ("this RingCache is serving another call now (another thread's, or a call inside "
               "a call): a cache serves one call at a time; give each call its own "
@@ -114,8 +116,9 @@ def _is_plain_causal(mask_function: Callable, local_size: int | None,
 def own_implementation(config) -> str | None:
     """The attention implementation ``config`` had before it was held (its current one once
     restored: a forward that read :data:`ATTN_NAME` just before the restore still finds it)."""
-    if id(config) in _OWN:
-        return _OWN[id(config)]
+    own = _OWN.get(id(config), _NOT_HELD)  # one read: another thread may restore meanwhile
+    if own is not _NOT_HELD:
+        return own
     with _TAKE:  # not held now, or being restored: the lock makes the two reads agree
         return _OWN.get(id(config), config._attn_implementation)
 
@@ -194,8 +197,9 @@ def attention_hook(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
 
 def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor, attention_mask: torch.Tensor, scaling: float,
-                   dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """The layer's ring step (write, then attend) on its new tokens.
+                   dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's ring step (write, then attend) on its new tokens; with the weights each
+    query gave each key (:func:`hf_weights`) when the call asked for them.
 
     ``key``/``value`` are the new tokens' (``RingCache.update`` hands them on); the layer's
     store writes them and attends with the forward plan's mask for its kind
@@ -214,10 +218,65 @@ def ring_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
                          f"mask over {attention_mask.shape[1]} heads (a learned per-head "
                          f"mask, as in Doge): the ring attention path does not "
                          f"implement it")
-    out = serving_cache().attend(module.layer_idx, query, key, value, attention_mask,
-                                 scaling)
+    cache = serving_cache()
+    seen = _keys_seen(cache, module.layer_idx, key, value) if _SERVING.weights else None
+    out = cache.attend(module.layer_idx, query, key, value, attention_mask, scaling)
+    weights = None if seen is None else hf_weights(cache, module.layer_idx, query, scaling,
+                                                   *seen)
     # HF expects (B, T, Hq, D), contiguous as its own SDPA hands it (AfMoE views it)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _keys_seen(cache: RingCache, layer_idx: int, key: torch.Tensor, value: torch.Tensor):
+    """Before layer ``layer_idx`` steps: its column count, and for a ring's chunk the keys and
+    their positions the chunk attends over (a chunk's write evicts keys its first queries
+    see; a decode step's and a full layer's keys are read after the step)."""
+    layer, positions = cache.layers[layer_idx], cache.plan.positions
+    columns = int(layer.get_seq_length())
+    if isinstance(layer, FullLayer) or key.shape[2] == 1:
+        return columns, None, None
+    if layer.ring is None:  # nothing stored yet: the chunk alone
+        return columns, key, positions
+    keys, _, key_pos = layer.ring.keys_with_chunk(key, value, positions)
+    return columns, keys, key_pos
+
+
+def hf_weights(cache: RingCache, layer_idx: int, query: torch.Tensor, scale: float,
+               columns: int, keys: torch.Tensor | None, key_pos: torch.Tensor | None
+               ) -> torch.Tensor:
+    """``(B, Hq, T, K)``: the weights each query gave each key, in Hugging Face's layout.
+
+    Its keys are columns in temporal order, padding included: a full layer's ``K = seen + T``
+    (every column so far), a sliding layer's ``K = min(seen, W - 1) + T`` (what
+    ``DynamicSlidingWindowLayer`` keeps, then the new tokens). A ring's key at position ``p``
+    of row ``b`` is column ``p + pad_b`` (left padding only, so ``pad_b`` is the row's
+    padding: the forward's last column is each row's newest real token). Softmax in float32,
+    as Hugging Face's eager attention takes it; padding queries' rows are zero.
+    """
+    layer, positions = cache.layers[layer_idx], cache.plan.positions
+    B, Hq, T, _ = query.shape
+    if keys is None:  # read after the step: what the query saw is stored now
+        if isinstance(layer, FullLayer):
+            keys = layer.keys[:, :, :columns + T]
+            key_pos = torch.arange(columns + T, device=query.device).expand(B, -1)
+        else:
+            keys, key_pos = layer.ring.k, layer.ring.positions
+    keys = keys.repeat_interleave(Hq // keys.shape[1], dim=1)
+    window = None if isinstance(layer, FullLayer) else layer.window
+    visible = band_mask(positions, key_pos, window)[:, None] & (positions >= 0)[:, None, :, None]
+    scores = (query @ keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible, float("-inf"))
+    ours = torch.softmax(scores, dim=-1, dtype=torch.float32).nan_to_num(0.0).to(query.dtype)
+    kept = columns if window is None else min(columns, window - 1)
+    pad = (columns + T) - (positions.max(dim=-1).values + 1)  # (B,)
+    index = key_pos + pad[:, None] - (columns - kept)  # (B, K): the key's place in HF's keys
+    inside = (key_pos >= 0) & (index >= 0) & (index < kept + T)
+    if bool((visible.any(dim=2).any(dim=1) & ~inside).any()):
+        raise RuntimeError("a key the ring attended to has no place among Hugging Face's keys "
+                           "(output_attentions): never returned misplaced")
+    out = ours.new_zeros(B, Hq, T, kept + T + 1)  # the last column takes what has no place
+    where = torch.where(inside, index, kept + T)[:, None, None, :].expand_as(ours)
+    return out.scatter_(-1, where, ours)[..., :kept + T]
 
 
 def register() -> None:
@@ -329,14 +388,16 @@ def _serving_one_call(cache: RingCache) -> Iterator[None]:
 
 
 @contextmanager
-def ring_active(model, cache: RingCache) -> Iterator[None]:
+def ring_active(model, cache: RingCache, *, weights: bool = False) -> Iterator[None]:
     """Serve ``cache`` to this thread's ring forwards of ``model`` in a block: what
     :func:`generate` wraps.
 
     Inside, ``model(input_ids, cache=cache)`` runs the ring path (masks from the cache's stored
     positions); any other forward of the model, here or in another thread, runs the model's
-    own. On exit the model's attention implementation is what it was (once no other call
-    holds it) and this thread serves what it served before, also on error; a forward that
+    own. ``weights``: the ring's attention also returns the weights each query gave each
+    key (:func:`hf_weights`, for ``output_attentions``). On exit the model's attention
+    implementation is what it was (once no other call holds it) and this thread serves what
+    it served before, also on error; a forward that
     raised after some of its layers had stepped leaves ``cache`` refused
     (:meth:`RingCache.check_usable`), never half-written and silently reused.
     """
@@ -345,8 +406,9 @@ def ring_active(model, cache: RingCache) -> Iterator[None]:
     serving = _SERVING
     with _serving_one_call(cache), hold(model, cache.attention_configs) as configs:
         cache.attention_configs = configs
-        before = serving.cache, serving.attention, serving.mask
+        before = serving.cache, serving.attention, serving.mask, serving.weights
         serving.cache, serving.attention, serving.mask = cache, None, None
+        serving.weights = weights
         cache.sized = False
         try:
             yield
@@ -354,5 +416,5 @@ def ring_active(model, cache: RingCache) -> Iterator[None]:
             cache.forward_failed(error)
             raise
         finally:
-            serving.cache, serving.attention, serving.mask = before
+            serving.cache, serving.attention, serving.mask, serving.weights = before
             cache.end_forward()

@@ -693,8 +693,9 @@ class FullLayer(RowsMixin, CacheLayerMixin):
         return self.columns + query_length, 0
 
     def step_keys(self, query_length: int) -> int:
-        """Keys a step attends over for ``query_length`` queries: every slot so far."""
-        return self.columns + query_length
+        """Keys a step attends over for ``query_length`` queries: every slot so far (a
+        static layer's: every allocated slot)."""
+        return self.allocated if self.static else self.columns + query_length
 
     def get_seq_length(self) -> int | torch.Tensor:
         """Columns so far: the device's count under torch.compile (no host read)."""
@@ -781,8 +782,11 @@ class RingCache(Cache):
     verified chunk of ``T`` reply tokens may lose ``T - 1``). A full layer holds exactly its
     tokens. So at every length a RingCache holds what Hugging Face's default cache holds, plus
     per layer one spare slot for padding writes (and on sliding layers the ``W``-th key HF drops
-    after attending) and each slot's stored position. A call transformers may compile (on an
-    accelerator) allocates every ring whole first: a compiled step cannot grow one.
+    after attending) and each slot's stored position. Sink slots grow with their tokens too. A
+    call transformers may compile (on an accelerator, or with a ``compile_config``) is
+    allocated whole first, for its length (:meth:`allocate` with ``static=True``: rings at
+    their window, full layers fixed-shape): a compiled forward, the prefill chunks' as well as
+    the decode steps', can neither grow nor allocate.
 
     One forward: transformers asks the mask hook for each layer kind's mask, and the first ask
     fills :attr:`plan` (:meth:`make_plan`); each layer's ``update`` then hands its new tokens on,
@@ -840,10 +844,11 @@ class RingCache(Cache):
         self.sized = False  # transformers sized a mask on this cache since the hook last read it
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        """transformers' size of a mask over this cache; notes that it asked (``sized``): the
-        mask hook then knows this forward is the ring call's."""
+        """transformers' size of a mask over this cache: the keys the layer's step attends
+        over (host counts, no device read; the ring's mask hook makes the mask itself). Notes
+        that it asked (``sized``): the mask hook then knows this forward is the ring call's."""
         self.sized = True
-        return super().get_mask_sizes(query_length, layer_idx)
+        return self.layers[layer_idx].step_keys(query_length), 0
 
     @property
     def nbytes(self) -> int:

@@ -191,6 +191,20 @@ def check_continuation(cache: RingCache, seen: int, length: int, batch: int,
                          f"attention_mask of the whole conversation (its earlier padding too)")
 
 
+def check_weights(model, cache: RingCache, config: GenerationConfig) -> None:
+    """Raise unless the call's ``output_attentions`` can be served in Hugging Face's layout
+    (:func:`ringviz.hf.attention.hf_weights`): Hugging Face's keys have no place for sink
+    keys, another ring's step returns no weights, and the weights' layout is read on the
+    host (no compiled step)."""
+    why = ("sinks (Hugging Face's keys have no place for them)" if cache.sinks else
+           "a ring given through ring= (its step returns no weights)"
+           if any(getattr(layer, "make_step", None) for layer in cache.layers) else
+           "a compiled decode step (the weights' layout is read on the host)"
+           if compiles(model, config) else None)
+    if why:
+        raise ValueError(f"output_attentions is not served with {why}")
+
+
 def draft_tokens(model, kwargs: dict, config, prompt_length: int) -> int:
     """The longest draft an assisted call can ask the cache to take back (0 if not assisted).
 
@@ -260,9 +274,6 @@ def _check_call(model, kwargs: dict, config: GenerationConfig) -> None:
                          f"is not in transformers {transformers.__version__} itself (a Hub "
                          f"recipe that ringviz has not checked); use greedy, sampling, beams "
                          f"or assisted decoding")
-    if config.output_attentions:
-        raise ValueError("output_attentions is not supported: the ring attention returns no "
-                         "weights")
     if config.use_cache is False:
         raise ValueError("use_cache=False would bypass the RingCache")
     if config.prefill_chunk_size is not None:
@@ -311,6 +322,8 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
                              f"spare slots for {cache.draft}: build RingCache(model, "
                              f"draft={draft}) for it")
     check_storage(model, cache)
+    if config.output_attentions:
+        check_weights(model, cache, config)
     mask = effective_attention_mask(input_ids if embeds is None else None,
                                     kwargs.get("attention_mask"), config)
     check_mask_holes(cache, mask)
@@ -321,8 +334,11 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
         check_position_ids(position_ids, mask, tuple(source.shape[:2]))
     before = cache.seen_columns()  # raises for a cache a failed call left refused
     cache.sync_columns(before)
-    if compiles(model, config):  # a compiled step cannot grow a ring or a full layer
-        cache.fit_full(call_length(config, source.shape[1] if source is not None else 1))
+    if compiles(model, config):  # a compiled call's forwards can neither grow nor allocate
+        rows = source.shape[0] if source is not None else 1
+        cache.allocate(rows * max(config.num_beams or 1, config.num_return_sequences or 1),
+                       call_length(config, source.shape[1] if source is not None else 1),
+                       model.dtype, model.device, static=True)
     if source is not None:
         check_continuation(cache, before, source.shape[1], source.shape[0], mask)
     if embeds is not None and config.prefill_chunk_size is not None:
@@ -337,7 +353,7 @@ def generate(model, input_ids: torch.Tensor | None = None, *, window: int | None
         columns = source.shape[1]
         cache.prompt = (columns, columns if mask is None else int(mask.sum(-1).min()))
     try:
-        with ring_active(model, cache):
+        with ring_active(model, cache, weights=bool(config.output_attentions)):
             return model.generate(input_ids, cache=cache, **kwargs)
     except BaseException as error:
         taken = 0 if cache.refused is not None else cache.seen_columns() - before

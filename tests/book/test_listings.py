@@ -53,8 +53,9 @@ def listings() -> list[tuple[str, str, str | None]]:
 
 
 def test_the_chapters_list_package_code():
-    """The check below would pass vacuously if the pattern found no listing."""
-    assert len({(path, obj) for _, path, obj in listings()}) >= 40
+    """The check below would pass vacuously if the pattern found no listing (the book lists
+    fewer since its chapters show the calls instead of API listings; still dozens)."""
+    assert len({(path, obj) for _, path, obj in listings()}) >= 20
 
 
 @pytest.mark.parametrize(("page", "path", "obj"),

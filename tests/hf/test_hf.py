@@ -262,7 +262,6 @@ def test_nbytes_counts_every_layer():
     ({"past_key_values": object()}, "past_key_values"),
     ({"position_ids": torch.arange(8)[None] + 1}, "position_ids disagree"),  # (agreeing: served)
     ({"cache_implementation": "static"}, "cache_implementation"),
-    ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
     ({"window": 3}, "differs"),
 ])
 def test_rejected_calls_change_nothing(kwargs, match):

@@ -75,12 +75,33 @@ def test_compiled_ring_generate_matches_eager_and_never_recompiles(case, backend
         assert torch.equal(out, eager)
 
 
-def test_a_compiled_call_without_whole_storage_is_refused():
-    """A cache that was not allocated for the call: refused with the way out, not a wrong
-    result (the first forward is already in the graph, where nothing can grow)."""
+def test_generate_allocates_the_cache_a_compiled_call_needs():
+    """Without ``cache=``, ``ringviz.hf.generate`` allocates its fresh cache whole for a call
+    that may compile: the eager tokens, no recompile on the next call."""
     torch._dynamo.reset()
     model = tiny_gemma(dtype=torch.float32)
+    ids = prompt(9)
+    kwargs = {"max_new_tokens": NEW, "min_new_tokens": NEW, "do_sample": False}
+    eager = hf.generate(model, ids, **kwargs)
+    compiled = [hf.generate(model, ids, compile_config=compile_config("aot_eager"),
+                            disable_compile=False, **kwargs) for _ in range(2)]
+    before = graphs()
+    compiled.append(hf.generate(model, ids, compile_config=compile_config("aot_eager"),
+                                disable_compile=False, **kwargs))
+    assert graphs() == before
+    assert all(torch.equal(out, eager) for out in compiled)
+
+
+def test_a_compiled_forward_without_whole_storage_is_refused():
+    """A decode step compiled into a cache that was not allocated for it (its rings grown to
+    the eager prefill's 3 tokens, not their window): refused with the way out, not a wrong
+    result (nothing can grow or allocate inside the graph)."""
+    torch._dynamo.reset()
+    model = tiny_gemma(dtype=torch.float32)
+    forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
     cache = hf.RingCache(model)
-    with pytest.raises(Exception, match="allocate"):
-        hf.generate(model, prompt(9), cache=cache, max_new_tokens=3, do_sample=False,
-                    compile_config=compile_config("aot_eager"), disable_compile=False)
+    with torch.no_grad(), hf.ring_active(model, cache):
+        token = model(input_ids=prompt(3), cache=cache).logits[:, -1:].argmax(-1)
+        assert cache.layers[0].slots == 3
+        with pytest.raises(Exception, match="allocate"):
+            forward(input_ids=token, cache=cache)

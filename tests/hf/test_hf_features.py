@@ -173,3 +173,100 @@ def test_stablelm_with_the_cache_convention_is_served():
     assert all(layer.sink_rope is not None for layer in cache.layers)
     same_run(run(hf.generate, model, prompt(10), cache=cache, max_new_tokens=5),
              run(None, model, prompt(10), max_new_tokens=5))
+
+
+# -------------------------------------------------------------------- output_attentions
+ATTENTION = 1e-6  # both take the softmax in float32 (Hugging Face's eager attention does)
+
+
+def weights_run(fn, model, ids, **kwargs):
+    return run(fn, model, ids, output_attentions=True, **kwargs)
+
+
+def same_weights(ours, theirs, real: torch.Tensor | None = None) -> None:
+    """Every step's every layer: HF's shape, and the same weights for each real query
+    (``real`` (B, T0): the prompt's real tokens; a padding query's row is HF's garbage)."""
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert len(ours.attentions) == len(theirs.attentions)
+    for step, (a, b) in enumerate(zip(ours.attentions, theirs.attentions, strict=True)):
+        for x, y in zip(a, b, strict=True):
+            assert x.shape == y.shape
+            if step == 0 and real is not None:
+                rows = real[:, -x.shape[2]:].bool()[:, None, :, None].expand_as(x)
+                x, y = x[rows], y[rows]
+            assert torch.allclose(x, y, atol=ATTENTION, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def eager():
+    """A tiny Gemma 3 on Hugging Face's eager attention (SDPA returns no weights)."""
+    model = tiny_gemma()
+    model.set_attn_implementation("eager")
+    return model
+
+
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_output_attentions_are_hugging_face_s(eager, chunk):
+    """Sliding layers' weights over the W - 1 kept keys and the new ones, the full layer's over
+    every column, in temporal order, past the window and through a chunked prefill."""
+    kwargs = {"max_new_tokens": 8} | ({"prefill_chunk_size": chunk} if chunk else {})
+    same_weights(weights_run(hf.generate, eager, prompt(11), **kwargs),
+                 weights_run(None, eager, prompt(11), **kwargs))
+
+
+def test_output_attentions_of_a_left_padded_batch(eager):
+    """A left-padded row's keys are Hugging Face's columns, padding included: its weights are
+    those of the row run alone (HF's eager), after zeros for the padding columns. (Hugging
+    Face's eager attention itself turns a left-padded row's logits into NaN, so the padded
+    batch is checked row by row.)"""
+    ids, mask = prompt(10, batch=2), torch.ones(2, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    ours = weights_run(hf.generate, eager, ids, attention_mask=mask, max_new_tokens=6)
+    alone = weights_run(None, eager, ids[1:, 4:], max_new_tokens=6)
+    assert torch.equal(ours.sequences[1:, 4:], alone.sequences)
+    for step, (a, b) in enumerate(zip(ours.attentions, alone.attentions, strict=True)):
+        for x, y in zip(a, b, strict=True):
+            x = x[1:, :, 4:] if step == 0 else x[1:]  # the row's real queries
+            pad = x.shape[-1] - y.shape[-1]  # the padding columns HF's keys still hold
+            assert pad in (0, 4)  # a sliding layer past its window holds no padding column
+            assert torch.equal(x[..., :pad], torch.zeros_like(x[..., :pad]))
+            assert torch.allclose(x[..., pad:], y, atol=ATTENTION, rtol=0)
+
+
+def test_output_attentions_of_a_conversation_s_second_turn(eager):
+    """A second call's prefill into rings that hold the first: the chunk's keys after the kept
+    ones, as Hugging Face's own cache passed back gives them."""
+    from transformers import DynamicCache
+
+    ring, theirs = hf.RingCache(eager), DynamicCache(config=eager.config)
+    first = run(hf.generate, eager, prompt(9), cache=ring, max_new_tokens=4).sequences
+    run(None, eager, prompt(9), cache=theirs, max_new_tokens=4)
+    ids = torch.cat([first, prompt(5, seed=2)], dim=1)
+    same_weights(weights_run(hf.generate, eager, ids, cache=ring, max_new_tokens=5),
+                 weights_run(None, eager, ids, cache=theirs, max_new_tokens=5))
+
+
+def test_output_attentions_with_sinks_is_refused_before_anything_runs(eager):
+    """Hugging Face's keys have no place for sink keys: refused, the cache untouched."""
+    cache = hf.RingCache(eager, sinks=2)
+    before = hf_state(eager, cache)
+    with pytest.raises(ValueError, match="output_attentions is not served with sinks"):
+        weights_run(hf.generate, eager, prompt(8), cache=cache, max_new_tokens=2)
+    assert hf_state(eager, cache) == before
+
+
+@pytest.mark.parametrize(("index", "error", "match"), [
+    (torch.tensor([0, 2]), ValueError, r"row index \[2\] is outside the cache's 2 rows"),
+    (torch.tensor([-1, 0]), ValueError, "outside the cache's 2 rows"),
+    (torch.tensor([0.0, 1.0]), TypeError, "integer"),
+])
+def test_an_out_of_range_reorder_index_is_refused_and_changes_nothing(model, index, error,
+                                                                      match):
+    cache = hf.RingCache(model)
+    hf.generate(model, prompt(9, batch=2), cache=cache, max_new_tokens=2, do_sample=False,
+                pad_token_id=0)
+    twin = copy.deepcopy(cache)
+    with pytest.raises(error, match=match):
+        cache.reorder_cache(index)
+    for a, b in zip(cache.layers, twin.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

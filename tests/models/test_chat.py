@@ -86,12 +86,18 @@ def test_the_stop_string_is_never_streamed(pieces, shown):
     assert "".join(written) == shown + "\n"
 
 
-def test_a_turn_stopped_by_ctrl_c_is_dropped_and_the_conversation_goes_on():
+def _twins():
+    """Two conversations on one model, one turn in: what a dropped turn is compared with."""
     chat, twin = _chat(), _chat()
     twin.model = chat.model
     twin.cache = type(chat.cache)(chat.model, sinks=2)
     for c in (chat, twin):
         c.turn("first turn", max_new_tokens=6)
+    return chat, twin
+
+
+def test_a_turn_stopped_by_ctrl_c_is_dropped_and_the_conversation_goes_on():
+    chat, twin = _twins()
     calls = []
 
     def stop(text):
@@ -237,11 +243,7 @@ def test_chat_and_generate_never_write_raw_escape_sequences(monkeypatch, capsys,
 def test_a_turn_whose_write_fails_is_dropped_and_the_conversation_goes_on():
     """``write`` raising OSError (a closed terminal or pipe) part-way: the turn is dropped as a
     Ctrl-C'd one is, the error goes on, and the next turn continues from before it."""
-    chat, twin = _chat(), _chat()
-    twin.model = chat.model
-    twin.cache = type(chat.cache)(chat.model, sinks=2)
-    for c in (chat, twin):
-        c.turn("first turn", max_new_tokens=6)
+    chat, twin = _twins()
     calls = []
 
     def broken(text):
