@@ -396,23 +396,23 @@ class RingKVCache:
         """A trusted call of ``T`` tokens that the caller vouches are every row's next
         positions (``contiguous=True``): each run grows by ``T``, each newest (if known) too.
 
-        Not while ``torch.compile`` traces the call (a host int would be baked into the
-        graph and recompile it) nor while a CUDA graph captures it (a slot picked on the host
-        would be replayed for every later token): there the runs still grow, but the newest
-        positions are forgotten, so every later write picks its slots on the device until a
-        validated call reads them again.
+        While a CUDA graph captures the call, the newest positions are forgotten: a slot
+        picked on the host would be replayed for every later token, so the capture and every
+        write after it pick their slots on the device until a validated call reads them
+        again. While ``torch.compile`` traces it, the runs are forgotten too (a host int read
+        in a graph is a guard: the graph would recompile as it changes).
         """
+        if torch.compiler.is_compiling():
+            return Rows([0] * self.batch_size, None), True
         runs = [min(self.capacity, r + T) for r in self._rows.runs]
         newest = self._rows.newest
-        if newest is None or self._recorded():
+        if newest is None or self._capturing():
             return Rows(runs, None), True
         return Rows(runs, [n + T for n in newest]), True
 
-    def _recorded(self) -> bool:
-        """Whether this call is being recorded rather than only run: traced by
-        ``torch.compile`` or captured in a CUDA graph. No host value may steer it then."""
-        return torch.compiler.is_compiling() or (
-            self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    def _capturing(self) -> bool:
+        """Whether a CUDA graph is capturing this call (recording it, not only running it)."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _look(self, positions: torch.Tensor, T: int) -> tuple[Rows, bool]:
         """:func:`ringviz.checks.check_positions` of ``positions`` (B, T), and the rows after

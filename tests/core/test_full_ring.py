@@ -227,15 +227,15 @@ class Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_recorded_trusted_decode_step_is_one_op_sequence_for_any_position(monkeypatch):
-    """A trusted step (check=False, contiguous=True) recorded in a CUDA graph (or traced by
-    torch.compile) runs the same ops with the same non-tensor arguments whatever the
-    positions, so no slot picked on the host is baked in; it then forgets each row's newest,
+def test_a_captured_trusted_decode_step_is_one_op_sequence_for_any_position(monkeypatch):
+    """A trusted step (check=False, contiguous=True) captured in a CUDA graph runs the same
+    ops with the same non-tensor arguments whatever the positions, so no slot picked on the
+    host is baked in; it then forgets each row's newest,
     so the eager steps after it (replays advanced the rows unseen) pick their slots on the
     device too, until a validated step reads them again. (A CPU test: capture is simulated.)"""
     cache, pos = full_ring()
     list(recorded_steps(cache, pos, Ops, 1))  # validated: the host knows each row's newest
-    monkeypatch.setattr(RingKVCache, "_recorded", lambda self: True)
+    monkeypatch.setattr(RingKVCache, "_capturing", lambda self: True)
     seen = [m.calls for m in recorded_steps(cache, pos, Ops, 2, check=False, contiguous=True)]
     monkeypatch.undo()
     seen += [m.calls for m in recorded_steps(cache, pos, Ops, 2, check=False, contiguous=True)]
