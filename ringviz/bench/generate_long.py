@@ -260,3 +260,41 @@ def generate_long_figures(rows: list[dict]) -> dict:
         out[f"generate_long_tokens_match_{tag}"] = all(r["tokens_match_ring"]
                                                        for r in by.values())
     return out
+
+
+@torch.no_grad()
+def profile_decode(window: int, batch: int, new_tokens: int, impls: tuple[str, ...],
+                   device: torch.device | None = None) -> str:
+    """Where a long-window decode goes: ``torch.profiler``'s table of ops (by self time) over
+    ``new_tokens`` decode steps of each cache in ``impls``, after one prefill (one row, repeated
+    to ``batch``) and two warm steps, each beside its floor."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cpu") if device is None else torch.device(device)
+    model_for, prompt_for = smollm2_sliding(device)
+    model = model_for(window)
+    ids = prompt_for(window + 128).to(device)[None]  # (1, P)
+    out = []
+    for impl in impls:
+        cache = _cache(impl, model, ids.shape[1] + new_tokens + 4)
+        seq = _generate(impl, model, ids, cache, 1)
+        repeat_rows(cache, batch)
+        seq = _generate(impl, model, seq.expand(batch, -1).contiguous(), cache, 2)
+        floor = step_bytes(model, window, batch)["total"] / copy_bandwidth(device=device)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            seq, seconds = timed_call(partial(_generate, impl, model, seq, cache, new_tokens),
+                                      device)
+        out.append(f"== {impl} W={window} B={batch}: {seconds / new_tokens * 1e3:.0f} ms per "
+                   f"step under the profiler, floor {floor * 1e3:.0f} ms\n" +
+                   prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14,
+                                             max_name_column_width=40))
+        del cache
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # python -m ringviz.bench.generate_long W B NEW_TOKENS IMPL,IMPL
+    import sys
+
+    torch.set_num_threads(1)
+    W, B, N = (int(x) for x in sys.argv[1:4])
+    print(profile_decode(W, B, N, tuple(sys.argv[4].split(","))))
