@@ -61,7 +61,8 @@ def _decode_figures(rows: Sequence[dict]) -> dict:
             other = _median(at_b, "decode_step", "naive_cat", w)
             if ring and other:
                 out[f"decode_naive_cat_over_ring_W{w}_B{b}"] = other / ring
-            for num, den in (("ring", "attention_only"), ("slot_copies", "attention_only"),
+            for num, den in (("ring", "attention_only"), ("ring_trusted", "attention_only"),
+                             ("ring_trusted", "ring"), ("slot_copies", "attention_only"),
                              ("mlx_rotating", "mlx_attention_only"), ("mlx_rotating", "ring")):
                 out.update(_paired(at_b, num, den, w, f"decode_{num}_over_{den}_W{w}_B{b}"))
     return out

@@ -158,9 +158,11 @@ def test_ring_and_copying_window_decode_to_the_same_output(device):
     ring = decode_step("ring", shape, 8, pre, tok)
     naive = decode_step("naive_cat", shape, 8, pre, tok)
     floor = decode_step("slot_copies", shape, 8, pre, tok)  # the same slots, without the ring
+    trusted = decode_step("ring_trusted", shape, 8, pre, tok)  # check=False
     for _ in range(11):  # past one full wrap of the ring
         out = ring()
         torch.testing.assert_close(out, naive())
+        assert torch.equal(trusted(), out)  # the same ring, the same step, unvalidated
         torch.testing.assert_close(floor(), out)  # GQA: enable_gqa vs packed heads, ~1e-16
 
 
