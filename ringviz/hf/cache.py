@@ -9,11 +9,13 @@ The data path of one forward::
 
 The two kinds of layer are ``transformers`` cache layers (``CacheLayerMixin``): a ring per
 sliding layer (:class:`RingLayer`, a :class:`ringviz.RingKVCache`) and a growing store per full
-one (:class:`FullLayer`). ``update(k, v)`` stores nothing and hands the new tokens on, because
-the write and the attention are one step (``step``), called with the query and the forward
-plan's mask (:class:`ForwardPlan`, computed once per forward, the way mistral-inference
-computes its cache metadata once per step). A plan is spent once a layer has stepped with it;
-the next ask for a mask starts a new one.
+one (:class:`FullLayer`). In a RingCache forward, ``RingCache.update(k, v, i)`` stores nothing
+and hands the new tokens on, because the write and the attention are one step (``step``),
+called with the query and the forward plan's mask (:class:`ForwardPlan`, computed once per
+forward, the way mistral-inference computes its cache metadata once per step). A plan is spent
+once a layer has stepped with it; the next ask for a mask starts a new one. Outside one (a
+layer inside Hugging Face's own cache), a layer's own ``update`` keeps transformers' contract:
+it stores the tokens and returns what HF's stock masks expect (:meth:`RingLayer.update`).
 """
 
 from __future__ import annotations
