@@ -42,11 +42,11 @@ def test_design_space_rows_measured_where_the_package_runs():
 
     rows = {d.ring: d for d in DESIGNS}
     assert measured_slots(rows["ringviz RingKVCache"], 6, 8) == 7  # W + 1
-    assert measured_slots(rows["transformers DynamicSlidingWindowLayer"], 6, 8) == 13
+    assert measured_slots(rows["transformers dynamic sliding layer"], 6, 8) == 13
     assert all(d.peer in PEERS for d in DESIGNS if d.peer)
     assert all(d.source for d in DESIGNS)
     pytest.importorskip("executorch")
-    assert measured_slots(rows["ExecuTorch RingKVCache (1.5.1)"], 6, 8) == 12  # 2W
+    assert measured_slots(rows["ExecuTorch RingKVCache 1.5.1"], 6, 8) == 12  # 2W
 
 
 def test_museum_spans_projects():
