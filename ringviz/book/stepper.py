@@ -94,9 +94,9 @@ def _pack_traces(traces: Sequence[Trace]) -> tuple[list[dict], list[dict]]:
 
 
 def _label(value: object) -> str:
-    """How a grid value reads in a drop-down: ``None`` chunk = the whole prompt, tuples listed."""
+    """How a grid value reads in a drop-down: a ``None`` chunk is "all", tuples are listed."""
     if value is None:
-        return "whole prompt"
+        return "all"  # short: a drop-down is as wide as its longest option
     if isinstance(value, tuple | list):
         return ", ".join(map(str, value))
     return str(value)

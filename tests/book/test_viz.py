@@ -201,7 +201,7 @@ def test_pack_stores_each_distinct_frame_once():
 def test_grid_holds_one_real_trace_per_setting():
     stepper = viz.RingStepper.from_scenario(window=4, prompt=7, chunk=3, decode_steps=2,
                                             vary={"window": (3, 4), "chunk": (2, 3, None)})
-    assert [p["values"] for p in stepper.params] == [["3", "4"], ["2", "3", "whole prompt"]]
+    assert [p["values"] for p in stepper.params] == [["3", "4"], ["2", "3", "all"]]
     assert len(stepper.views) == 6 and stepper.choice == 4  # window 4 (row 1), chunk 3 (col 1)
     assert stepper.to_trace() == trace_scenario(Scenario(window=4, prompt=7, chunk=3,
                                                          decode_steps=2))
