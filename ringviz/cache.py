@@ -71,13 +71,13 @@ import torch
 
 from ringviz.attention import attend
 from ringviz.checks import (
+    check_fits,
     check_int,
     check_kv,
     check_positions,
     check_query,
     check_scale,
     check_sink_rope,
-    check_storage,
     check_tensor,
     missing_positions,
     position_faults,
@@ -247,7 +247,7 @@ class RingKVCache:
             raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
         capacity = window if capacity is None else check_int("capacity", capacity, window)
         device = torch.empty(0, device=device).device  # "cuda" -> cuda:0; None -> the default
-        check_storage(f"RingKVCache(batch_size={batch_size}, num_kv_heads={num_kv_heads}, "
+        check_fits(f"RingKVCache(batch_size={batch_size}, num_kv_heads={num_kv_heads}, "
                       f"sinks + capacity={sinks + capacity}, head_dim={head_dim}, {dtype})",
                       storage_bytes(batch_size, num_kv_heads, sinks + capacity, head_dim, dtype),
                       device)
@@ -694,7 +694,7 @@ class RingKVCache:
             raise ValueError(f"index must hold rows in [0, {self.batch_size}), got "
                              f"{index.tolist()}")
         if index.numel() > self.batch_size:  # more rows: new storage, checked before it is made
-            check_storage(f"take_rows of {index.numel()} rows",
+            check_fits(f"take_rows of {index.numel()} rows",
                           self.nbytes // self.batch_size * index.numel(), self.device)
         stores = (self._k_store, self._v_store, self._pos_store, self._last_pos)
         # the index is not read: every row keeps the smallest run (a lower bound), the newest

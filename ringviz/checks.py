@@ -66,12 +66,12 @@ def device_memory(device: torch.device) -> int | None:
     return None
 
 
-def check_storage(what: str, nbytes: int, device: torch.device) -> None:
+def check_fits(what: str, nbytes: int, device: torch.device) -> None:
     """Raise ValueError, before allocating, if ``nbytes`` of storage cannot fit ``device``
     (:func:`device_memory`): a huge window would otherwise be zero-filled until the kernel
     kills the process. ``device='meta'`` holds no data, so no storage can live there.
 
-    >>> check_storage("a ring", 2**70, torch.device("cpu"))  # doctest: +ELLIPSIS
+    >>> check_fits("a ring", 2**70, torch.device("cpu"))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: a ring needs 1099511627776.0 GiB of storage, more than the cpu's ... GiB ...
     """

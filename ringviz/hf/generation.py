@@ -20,7 +20,7 @@ from transformers.generation.configuration_utils import GenerationMode
 from ringviz.cache import MakeStep
 from ringviz.checks import check_int, check_sinks
 from ringviz.hf.attention import ring_active
-from ringviz.hf.cache import RingCache
+from ringviz.hf.cache import RingCache, positions_from_mask
 
 # default prefill chunk: a prompt is prefilled in chunks of this many tokens. Each chunk is one
 # more pass over the weights (about a decode step: 0.1 s for Gemma-3-270M on one CPU thread), so
@@ -142,7 +142,7 @@ def check_position_ids(position_ids, mask: torch.Tensor | None, shape: tuple[int
                          f"got {tuple(position_ids.shape)}")
     real = (torch.ones(shape, dtype=torch.bool) if mask is None else mask.to(torch.bool)).to(
         position_ids.device)
-    expected = real.long().cumsum(-1) - 1
+    expected = positions_from_mask(mask, 0, *shape, position_ids.device)  # -1 on padding
     wrong = real & (position_ids.expand(shape) != expected)
     if bool(wrong.any()):
         b, j = (int(i) for i in wrong.nonzero()[0])
