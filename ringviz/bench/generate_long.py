@@ -203,7 +203,7 @@ def generate_long_rows(*, cases: tuple[tuple[int, int], ...] = GENERATE_LONG_CAS
         match = {impl: torch.equal(seqs[impl], seqs["ring"]) for impl in GENERATE_LONG_IMPLS}
         names = list(GENERATE_LONG_IMPLS)
         for r in range(reps):
-            for impl in names[r % 3:] + names[:r % 3]:
+            for impl in names[r % len(names):] + names[:r % len(names)]:
                 bandwidth[impl].append(copy_bandwidth(bandwidth_bytes, device=device))
                 seqs[impl], dt, peak = _measured(partial(
                     _generate, impl, model, seqs[impl], caches[impl], new_tokens), device)

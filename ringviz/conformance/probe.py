@@ -230,12 +230,6 @@ def window_check(weights: torch.Tensor, schedule: Schedule, positions: torch.Ten
     return wrong, first
 
 
-def window_failure(weights: torch.Tensor, schedule: Schedule, positions: torch.Tensor,
-                   mask: torch.Tensor, *, dtype: torch.dtype) -> Failure | None:
-    """The first query (in time order) whose seen keys differ from its window, or None."""
-    return window_check(weights, schedule, positions, mask, dtype=dtype)[1]
-
-
 def _compare(w: torch.Tensor, b: int, c: int, positions: torch.Tensor, want: torch.Tensor,
              noise: float, forgotten: set[int]) -> tuple | None:
     """``(expected, seen, other_rows, forgotten)`` if this query's keys differ from its
