@@ -122,14 +122,21 @@ def generate_figures(rows: list[dict]) -> dict:
     for batch, n in cases:
         by = {r["impl"]: r for r in rows if r["bench"] == "generate"
               and (r["batch"], r["new_tokens"]) == (batch, n)}
-        if "ring" not in by:
-            continue
-        for impl in ("hf_default", "hf_static"):
-            if impl in by:
-                out.update(_paired_ratios(f"generate_ring_over_{impl}_B{batch}_N{n}",
-                                          by[impl]["seconds"], by["ring"]["seconds"]))
-        out[f"generate_tokens_match_B{batch}_N{n}"] = all(
-            r["tokens_match_ring"] for r in by.values())
+        if "ring" in by:
+            out.update(ring_case_figures(by, "generate", f"B{batch}_N{n}",
+                                         ("hf_default", "hf_static")))
+    return out
+
+
+def ring_case_figures(by: dict, bench: str, tag: str, others: tuple[str, ...]) -> dict:
+    """One case's rows by impl: the ring's tokens/s over each of ``others`` (paired per
+    repetition, median and range) and whether every impl's tokens matched the ring's."""
+    out = {}
+    for impl in others:
+        if impl in by:
+            out.update(_paired_ratios(f"{bench}_ring_over_{impl}_{tag}",
+                                      by[impl]["seconds"], by["ring"]["seconds"]))
+    out[f"{bench}_tokens_match_{tag}"] = all(r["tokens_match_ring"] for r in by.values())
     return out
 
 

@@ -41,7 +41,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from ringviz.bench.generate import _greedy, _paired_ratios
+from ringviz.bench.generate import _greedy, ring_case_figures
 from ringviz.bench.harness import synchronize, timed_call
 from ringviz.bench.memory import _reset_peak, _status_bytes
 
@@ -248,17 +248,12 @@ def generate_long_figures(rows: list[dict]) -> dict:
         tag = f"W{window}_B{batch}"
         if "ring" not in by:
             continue
-        for impl in ("hf_dynamic", "hf_static"):
-            if impl in by:
-                out.update(_paired_ratios(f"generate_long_ring_over_{impl}_{tag}",
-                                          by[impl]["seconds"], by["ring"]["seconds"]))
+        out.update(ring_case_figures(by, "generate_long", tag, ("hf_dynamic", "hf_static")))
         for impl, row in by.items():
             over = np.asarray(row["over_floor"])
             out.update({f"generate_long_{impl}_over_floor_{tag}": float(np.median(over)),
                         f"generate_long_{impl}_over_floor_{tag}_min": float(over.min()),
                         f"generate_long_{impl}_over_floor_{tag}_max": float(over.max())})
-        out[f"generate_long_tokens_match_{tag}"] = all(r["tokens_match_ring"]
-                                                       for r in by.values())
     return out
 
 
