@@ -117,23 +117,25 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
     extras = [(name, counts) for name, counts in (("none", failure.seen_blank),
                                                   ("other", failure.seen_other_rows))
               if counts and any(counts)]
-    for i, (name, counts) in enumerate(extras):
+    for i, (_, counts) in enumerate(extras):
         x = n + 0.3 + 1.1 * i
-        ax.text(x + 0.5, -n - 0.25, name, ha="center", va="top", fontsize=8)
         for q, count in enumerate(counts):
-            if count:
-                cell(x, q, EXTRA_COLOR, "///")
-                ax.text(x + 0.5, -q - 0.5, str(count), ha="center", va="center", fontsize=8)
+            if count:  # unhatched, so the count reads
+                cell(x, q, EXTRA_COLOR)
+                ax.text(x + 0.5, -q - 0.5, str(count), ha="center", va="center", fontsize=8,
+                        color="black")
     q = failure.position
-    ax.add_patch(Rectangle((0, -q - 1), n + 1.1 * len(extras), 1, fill=False,
-                           edgecolor="black", linewidth=1.4))
+    ax.add_patch(Rectangle((0, -q - 1), n + 1.1 * len(extras) + 0.2 * bool(extras), 1,
+                           fill=False, edgecolor="black", linewidth=1.4))
     offset = failure.offsets[failure.row] if failure.offsets else 0
     for e in np.cumsum([0, *failure.schedule])[1:-1] - offset:  # chunk boundaries
         if 0 < e < n:
             ax.plot([-0.4, n], [-e, -e], color=EDGE_COLOR, linewidth=1.0, linestyle=":",
                     marker="")
     ticks = sorted({0, n - 1, q})
-    ax.set_xticks(np.array(ticks) + 0.5, [str(t) for t in ticks], fontsize=9)
+    # the narrow columns are named on the key axis, beside the positions, never over a cell
+    xs = [t + 0.5 for t in ticks] + [n + 0.8 + 1.1 * i for i in range(len(extras))]
+    ax.set_xticks(xs, [str(t) for t in ticks] + [name for name, _ in extras], fontsize=9)
     ax.set_yticks(-np.array(ticks) - 0.5, [str(t) for t in ticks], fontsize=9)
     ax.tick_params(length=2, pad=1)
     ax.set_xlim(0, size + 2.4)
@@ -168,7 +170,7 @@ def failure_grid(failures: Sequence[tuple[str, object]], *, columns: int = 3):
                Patch(facecolor=EXTRA_COLOR, hatch="//", edgecolor="white",
                      label="seen, outside the window"),
                Patch(facecolor="#E0E0E0", label="causal, outside the window"),
-               Patch(facecolor=EXTRA_COLOR, hatch="///", edgecolor="white",
+               Patch(facecolor=EXTRA_COLOR,
                      label="n: seen keys holding no token (none) or of another row (other)"),
                Patch(facecolor="none", edgecolor="black", label="the failing query")]
     fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=9,
