@@ -118,14 +118,14 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
                                                   ("other", failure.seen_other_rows))
               if counts and any(counts)]
     for i, (_, counts) in enumerate(extras):
-        x = n + 0.3 + 1.1 * i
+        x = n + 0.8 + 1.1 * i  # a gap wide enough that the column's name clears the last tick
         for q, count in enumerate(counts):
             if count:  # unhatched, so the count reads
                 cell(x, q, EXTRA_COLOR)
                 ax.text(x + 0.5, -q - 0.5, str(count), ha="center", va="center", fontsize=8,
                         color="black")
     q = failure.position
-    ax.add_patch(Rectangle((0, -q - 1), n + 1.1 * len(extras) + 0.2 * bool(extras), 1,
+    ax.add_patch(Rectangle((0, -q - 1), n + 1.1 * len(extras) + 0.7 * bool(extras), 1,
                            fill=False, edgecolor="black", linewidth=1.4))
     offset = failure.offsets[failure.row] if failure.offsets else 0
     for e in np.cumsum([0, *failure.schedule])[1:-1] - offset:  # chunk boundaries
@@ -134,11 +134,13 @@ def draw_failure(failure, *, title: str | None = None, size: int | None = None,
                     marker="")
     ticks = sorted({0, n - 1, q})
     # the narrow columns are named on the key axis, beside the positions, never over a cell
-    xs = [t + 0.5 for t in ticks] + [n + 0.8 + 1.1 * i for i in range(len(extras))]
+    xs = [t + 0.5 for t in ticks] + [n + 1.3 + 1.1 * i for i in range(len(extras))]
     ax.set_xticks(xs, [str(t) for t in ticks] + [name for name, _ in extras], fontsize=9)
+    for label in ax.get_xticklabels()[len(ticks):]:
+        label.set_fontsize(8)
     ax.set_yticks(-np.array(ticks) - 0.5, [str(t) for t in ticks], fontsize=9)
     ax.tick_params(length=2, pad=1)
-    ax.set_xlim(0, size + 2.4)
+    ax.set_xlim(0, size + 3.0)
     ax.set_ylim(-n - 0.1, 0.1)
     ax.set_aspect("equal")
     ax.spines[:].set_visible(False)
