@@ -281,9 +281,12 @@ class RingKVCache:
         self._pos_base = torch.arange(B, device=self.device) * n1
         self._pos_rows = self._pos_store.view(-1)  # (B * (S + C + 1),)
         self._last_col = self._last_pos[:, None]  # (B, 1): a decode write's positions copy in
+        # what one decode token per row looks like (:meth:`_is_token`)
+        self._token = (torch.Size((B, H, 1, D)), torch.Size((B, 1)), self._k_store.dtype,
+                       self._k_store.device)
 
     _VIEWS = ("k", "v", "positions", "_k_rows", "_v_rows", "_head_base", "_pos_base",
-              "_pos_rows", "_last_col")
+              "_pos_rows", "_last_col", "_token")
 
     def __getstate__(self) -> dict:
         """The storage and what the host knows; the views are made again on unpickling
@@ -380,13 +383,16 @@ class RingKVCache:
         if not check:  # positions never read
             return self._vouched(k.shape[2]) if contiguous else (
                 Rows([0] * self.batch_size, None), False)
-        check_kv(k, v, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
-                 head_dim=self.head_dim, dtype=self.dtype, device=self.device)
-        T = k.shape[2]
-        check_tensor("positions", positions, self.device)
-        if q is not None:  # a chunk's q may hold only its last queries (:meth:`attend_chunk`)
-            self._check_q(q, T, last=T > 1)
-        rows, nxt = self._look(positions, T)
+        if self._is_token(q, k, v, positions):  # a decode loop's call
+            rows, nxt = self._look_decode(positions)
+        else:  # anything else, and every fault, named
+            check_kv(k, v, batch_size=self.batch_size, num_kv_heads=self.num_kv_heads,
+                     head_dim=self.head_dim, dtype=self.dtype, device=self.device)
+            T = k.shape[2]
+            check_tensor("positions", positions, self.device)
+            if q is not None:  # a chunk's q may hold only its last queries (:meth:`attend_chunk`)
+                self._check_q(q, T, last=T > 1)
+            rows, nxt = self._look(positions, T)
         if contiguous and not nxt:
             raise ValueError("contiguous=True, but some row's positions are not its newest + 1, "
                              "+ 2, ... (padding or a gap)")
@@ -404,15 +410,38 @@ class RingKVCache:
         """
         if torch.compiler.is_compiling():
             return Rows([0] * self.batch_size, None), True
-        runs = [min(self.capacity, r + T) for r in self._rows.runs]
+        runs = self._runs_after(T)
         newest = self._rows.newest
         if newest is None or self._capturing():
             return Rows(runs, None), True
         return Rows(runs, [n + T for n in newest]), True
 
+    def _runs_after(self, T: int) -> list[int]:
+        """Each row's run once it writes its next ``T`` positions (at most ``capacity``); a
+        full ring's runs as they were (the same list: a ``Rows`` is never changed in place)."""
+        runs, C = self._rows.runs, self.capacity
+        return runs if min(runs, default=C) >= C else [min(C, r + T) for r in runs]
+
     def _capturing(self) -> bool:
         """Whether a CUDA graph is capturing this call (recording it, not only running it)."""
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return self._token[3].type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def _is_token(self, q: object, k: object, v: object, positions: object) -> bool:
+        """Whether ``k``, ``v``, ``positions`` (and ``q``, unless None) are one decode token per
+        row, well formed: all that :func:`check_kv`, :func:`check_query` and the positions'
+        dtype and shape checks ask at ``T = 1``, in one expression, as a decode loop's every
+        call needs. A call it turns away takes those checks, which name what is wrong."""
+        shape, rows, dtype, device = self._token  # (B, Hkv, 1, D), (B, 1)
+        tensor = torch.Tensor
+        return (isinstance(k, tensor) and isinstance(v, tensor) and isinstance(positions, tensor)
+                and k.shape == shape and v.shape == shape and positions.shape == rows
+                and k.dtype == dtype and v.dtype == dtype
+                and positions.dtype in (torch.int64, torch.int32)
+                and k.device == device and v.device == device and positions.device == device
+                and (q is None or isinstance(q, tensor) and q.dtype == dtype
+                     and q.device == device and q.ndim == 4 and q.shape[0] == shape[0]
+                     and q.shape[2] == 1 and q.shape[3] == shape[3]
+                     and q.shape[1] > 0 and q.shape[1] % shape[1] == 0))
 
     def _look(self, positions: torch.Tensor, T: int) -> tuple[Rows, bool]:
         """:func:`ringviz.checks.check_positions` of ``positions`` (B, T), and the rows after
@@ -436,12 +465,15 @@ class RingKVCache:
 
     def _look_decode(self, positions: torch.Tensor) -> tuple[Rows, bool]:
         """:meth:`_look` of one position per row, in plain Python: the positions read once
-        (with each row's newest, when the host does not know them)."""
+        (with each row's newest, when the host does not know them). A decode loop's step,
+        every row at its next position, is one comparison of two lists."""
         newest = self._rows.newest
         if newest is None:
             new, newest = torch.stack([positions[:, 0].to(torch.int64), self._last_pos]).tolist()
         else:
             new = [p for (p,) in positions.tolist()]
+        if new == [n + 1 for n in newest]:  # every row's next position
+            return Rows(self._runs_after(1), new), True
         if any(p <= n and p != -1 for p, n in zip(new, newest)):  # -1: padding, no write
             check_positions(positions, self._last_pos, 1)  # raises, naming the row
         runs = [r if p < 0 else min(self.capacity, r + 1) if p == n + 1 else 1

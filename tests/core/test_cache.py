@@ -286,6 +286,19 @@ BAD = {
     "not a tensor": (lambda q, k, v, p: (q, k.tolist(), v, p), TypeError, "must be a torch.Tensor"),
     "empty chunk": (lambda q, k, v, p: (q[:, :, :0], k[:, :, :0], v[:, :, :0], p[:, :0]), ValueError,
                     "T>=1"),
+    # one token per row, each the decode loop's call but for one fault
+    "q of two tokens": (lambda q, k, v, p: (q.repeat(1, 1, 2, 1), k, v, p), ValueError, "q must be"),
+    "q of 3 dims": (lambda q, k, v, p: (q[:, :, 0], k, v, p), ValueError, "q must be"),
+    "v dtype alone": (lambda q, k, v, p: (q, k, v.double(), p), TypeError, "v has dtype"),
+    "1-D positions": (lambda q, k, v, p: (q, k, v, p[:, 0]), ValueError, r"positions must be \(B, T\)"),
+    "int16 positions": (lambda q, k, v, p: (q, k, v, p.short()), TypeError, "positions must be int"),
+    "k on meta": (lambda q, k, v, p: (q, k.to("meta"), v, p), ValueError, "k is on meta"),
+    "q on meta": (lambda q, k, v, p: (q.to("meta"), k, v, p), ValueError, "q is on meta"),
+    "positions on meta": (lambda q, k, v, p: (q, k, v, p.to("meta")), ValueError,
+                          "positions is on meta"),
+    "q not a tensor": (lambda q, k, v, p: (q.tolist(), k, v, p), TypeError, "q must be a torch"),
+    "positions a list": (lambda q, k, v, p: (q, k, v, p.tolist()), TypeError,
+                         "positions must be a torch"),
 }
 
 
@@ -297,6 +310,17 @@ def test_bad_step_raises_and_changes_nothing(device, name):
     with pytest.raises(error, match=match):
         cache.step(*mutate(*good(device)))
     assert snapshot(cache) == before
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_the_decode_shortcut_takes_no_input_the_checks_refuse(device, name):
+    """``_is_token`` (a decode loop's call, checked in one expression) turns away every bad
+    call: the full checks then name the fault. A good call it accepts."""
+    mutate, _, _ = BAD[name]
+    cache = primed(device)
+    q, k, v, p = mutate(*good(device))
+    assert not cache._is_token(q, k, v, p) or name in ("negative positions", "not after cache")
+    assert cache._is_token(*good(device)) and cache._is_token(None, *good(device)[1:])
 
 
 def test_positions_not_strictly_increasing_within_row(device):
