@@ -103,8 +103,8 @@ class Failure:
         lines = [self._query(), f"expected keys {self.expected}", f"saw keys      {self.seen}",
                  f"missing {missing or 'none'}, extra {extra or 'none'}"]
         if self.forgotten:
-            lines.append(f"seen though a rewind forgot them (keys, not the ones fed there "
-                         f"since) {self.forgotten}")
+            lines.append(f"still seen, though a rewind took them back (the rejected keys, not "
+                         f"ones written since) {self.forgotten}")
         if self.other_rows:
             lines.append(f"and keys of other rows (row, position) {self.other_rows}")
         if -1 in (self.seen or []) or any(p == -1 for _, p in self.other_rows):

@@ -100,7 +100,7 @@ def test_a_rewind_that_forgets_nothing_is_caught_as_window():
     assert f.rewinds and f.forgotten, str(f)  # it saw a key a rewind forgot
     missing, extra = f.difference()
     assert set(f.forgotten) <= set(extra)
-    assert "rewind" in f.where() and "a rewind forgot them" in str(f)
+    assert "rewind" in f.where() and "a rewind took them back" in str(f)
 
 
 def test_a_rewind_that_forgets_one_too_many_is_caught():
@@ -164,7 +164,7 @@ def test_a_forgotten_key_kept_in_place_of_a_new_draft_is_caught_by_its_id():
     f = evaluate(toy(4, bug="keep_cached"), new, **kw)
     assert f.property == "window" and f.position == 4 and f.forgotten == [2, 3]
     assert f.seen == f.expected == [1, 2, 3, 4] and f.difference() == ([], [])
-    assert "a rewind forgot them" in str(f)
+    assert "a rewind took them back" in str(f)
     report = check(toy(5, bug="keep_cached"), window=5, rewind=True, examples=60)
     assert report.properties() == ["window"] and report.failures[0].forgotten, str(report)
 
