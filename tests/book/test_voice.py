@@ -5,7 +5,7 @@ reader came for; a cell that glues numbers for the prose is plumbing and must be
 include one of `HIDDEN`). A prose paragraph (a markdown block between blank lines; each list item
 and heading counts alone; tables, code and figure or glue directives are not prose) carries at
 most `MAX_GLUED` glued numbers: the exact values and their spread belong in a figure, a table or
-the evidence part.
+the evidence part. A shown code line fits the rendered column (`MAX_CODE_COLUMNS`).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from prose_words import MAIN, main_chapters, page_markdown, paragraphs, toc_part
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = {"remove-cell", "remove-input", "hide-input", "hide-cell"}
 MAX_GLUED = 2
+MAX_CODE_COLUMNS = 82  # the code column at 1280 px holds 83; a longer line wraps to column 0
 
 _GLUE_CALL = re.compile(r"\bglue\w*\(")  # glue( and the chapters' glue_all( helpers
 _GLUE_ROLE = re.compile(r"\{glue(?::\w+)?\}`")  # {glue}`k`, {glue:text}`k`, {glue:md}`k`
@@ -34,6 +35,14 @@ def visible_glue_cells(notebook: Path) -> list[str]:
         if cell["cell_type"] == "code" and _GLUE_CALL.search(source) and not tags & HIDDEN:
             found.append(source.strip().splitlines()[0])
     return found
+
+
+def wide_visible_lines(notebook: Path) -> list[str]:
+    """The lines of shown code cells longer than `MAX_CODE_COLUMNS`: they would wrap."""
+    return [line for cell in json.loads(notebook.read_text())["cells"]
+            if cell["cell_type"] == "code"
+            and not set(cell.get("metadata", {}).get("tags", [])) & HIDDEN
+            for line in "".join(cell["source"]).splitlines() if len(line) > MAX_CODE_COLUMNS]
 
 
 def crowded_paragraphs(markdown: str) -> list[str]:
@@ -54,6 +63,13 @@ def test_no_visible_code_cell_calls_glue(notebook):
     cells = visible_glue_cells(notebook)
     assert not cells, f"{notebook.name}: glue in {len(cells)} visible cell(s), tag them " \
         f"hide-input or remove-cell: {cells}"
+
+
+@pytest.mark.parametrize("notebook", main_chapters(ROOT), ids=_id)
+def test_shown_code_fits_the_column(notebook):
+    wide = wide_visible_lines(notebook)
+    assert not wide, f"{notebook.name}: {len(wide)} shown code line(s) over " \
+        f"{MAX_CODE_COLUMNS} characters wrap at 1280 px: {wide}"
 
 
 @pytest.mark.parametrize("page", toc_parts(ROOT)[MAIN], ids=_id)
